@@ -1,0 +1,18 @@
+"""User-facing errors.
+
+Everything a user can get wrong (paths, prompts, options, files) raises a
+:class:`MoaspecError` whose message is one complete sentence; the CLI prints it
+on one line and exits non-zero instead of showing a traceback.
+"""
+
+
+class MoaspecError(Exception):
+    """An error caused by input, files or configuration, explained in its message."""
+
+
+class ModelLoadError(MoaspecError):
+    """A model directory is missing, incomplete, or of an unsupported architecture."""
+
+
+class PromptError(MoaspecError):
+    """A prompt is empty or does not fit the model's context window."""

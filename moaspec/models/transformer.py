@@ -1,0 +1,248 @@
+"""The target runtime's forward pass, written for speculation.
+
+One module, read top to bottom like gpt-fast's ``model.py``: embeddings → N blocks
+(RMSNorm → fused-QKV attention with RoPE → RMSNorm → fused gate/up SwiGLU MLP) →
+final norm → ``lm_head``. Unlike a generic implementation it takes explicit token
+positions and an arbitrary boolean attention mask (so a whole draft tree is verified
+in one call), writes K/V into a preallocated :class:`~moaspec.models.kv_cache.KVCache`,
+computes logits only where asked (``lm_head`` is a fifth of a small model's cost), and
+returns the residual stream after any requested layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moaspec.models.config import ModelConfig
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.packed_linear import Linear
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[max_positions, head_dim]`` in the half-split layout HF checkpoints use."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, H, T, D]`` by per-position angles ``cos/sin`` ``[B or 1, 1, T, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.kv_dim
+        self.split = (q_dim, kv_dim, kv_dim)
+        self.qkv = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=bias)
+        self.o = Linear(q_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        end = start + T
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_bias: bool = False) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.attn = Attention(cfg, bias=attention_bias)
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):  # type: ignore[no-untyped-def]
+        x = x + self.attn(F.rms_norm(x, x.shape[-1:], self.attn_norm, self.eps), cos, sin, k_cache, v_cache, start, mask)
+        return x + self.mlp(F.rms_norm(x, x.shape[-1:], self.mlp_norm, self.eps))
+
+
+@dataclass
+class ForwardOutput:
+    """What one runtime forward returns.
+
+    ``logits`` cover only the requested positions; ``hidden`` is the final hidden state
+    after the final norm (the input of ``lm_head``, the MoA/EAGLE feature target);
+    ``layer_hidden[k]`` is the residual stream after ``k`` blocks (``k = L - N`` feeds
+    Target Layer Inference). The new tokens' K/V of every layer are in the cache at
+    positions ``[start, start + T)``: read them with ``KVCache.token_kv``.
+    """
+
+    logits: torch.Tensor | None
+    hidden: torch.Tensor
+    start: int
+    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Transformer(nn.Module):
+    """A Llama/Qwen2/Mistral decoder with explicit positions, masks and cache control."""
+
+    def __init__(self, cfg: ModelConfig, attention_bias: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg, attention_bias) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, capacity: int | None = None, batch_size: int = 1) -> KVCache:
+        """A cache for this model; ``capacity`` defaults to the whole context window."""
+        capacity = capacity or self.cfg.max_position_embeddings
+        return KVCache.for_model(self.cfg, capacity, batch_size, self.dtype, self.device)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(h, h.shape[-1:], self.norm, self.cfg.rms_norm_eps)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B or 1, 1, T, D]`` for positions ``[T]`` or ``[B, T]``."""
+        pos = positions if positions.dim() == 2 else positions[None]
+        return (self.rope_cos[pos][:, None].to(self.dtype), self.rope_sin[pos][:, None].to(self.dtype))
+
+    def run_blocks(
+        self,
+        h: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        first: int = 0,
+        last: int | None = None,
+        cache_layer_offset: int = 0,
+        hidden_after: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run blocks ``first..last-1`` on ``h``, writing K/V at ``cache.length`` onward.
+
+        ``cache_layer_offset`` maps block ``i`` to cache layer ``i - offset``, so a cache
+        that holds only a few layers (Target Layer Inference) can be used. Does not
+        advance ``cache.length``: the caller does, once, after all blocks ran.
+        """
+        last = self.cfg.num_layers if last is None else last
+        cos, sin = self.rope(positions)
+        start = cache.length
+        if mask is not None and mask.dim() == 2:
+            mask = mask[None, None]
+        elif mask is not None and mask.dim() == 3:
+            mask = mask[:, None]
+        captured: dict[int, torch.Tensor] = {}
+        if first in hidden_after:
+            captured[first] = h
+        for i in range(first, last):
+            c = i - cache_layer_offset
+            h = self.blocks[i](h, cos, sin, cache.keys[c], cache.values[c], start, mask)
+            if i + 1 in hidden_after:
+                captured[i + 1] = h
+        return h, captured
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        logits_at: slice | torch.Tensor | None = None,
+        hidden_after: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """Process ``tokens`` ``[B, T]`` after the ``cache.length`` cached positions.
+
+        ``positions`` (``[T]`` or ``[B, T]``) default to ``cache.length + arange(T)``.
+        ``mask`` is boolean (True = may attend), shaped ``[T, S]`` or ``[B, T, S]`` with
+        ``S = cache.length + T``; ``None`` means causal over the new tokens with the
+        whole cache visible. ``logits_at`` selects the positions (last axis of the
+        new tokens) whose logits are computed; ``None`` computes them all.
+        """
+        B, T = tokens.shape
+        start = cache.length
+        if start + T > cache.capacity:
+            raise ValueError(f"cache overflow: {start} cached + {T} new > capacity {cache.capacity}")
+        if positions is None:
+            positions = torch.arange(start, start + T, device=tokens.device)
+        if mask is None and T > 1:
+            mask = causal_mask(start, T, tokens.device)
+        if mask is None and self.cfg.sliding_window and start + T > self.cfg.sliding_window:
+            mask = causal_mask(start, T, tokens.device)
+        if mask is not None and self.cfg.sliding_window:
+            mask = apply_sliding_window(mask, positions, start, self.cfg.sliding_window)
+        h, captured = self.run_blocks(self.embed(tokens), cache, positions, mask, hidden_after=hidden_after)
+        cache.length = start + T
+        hidden = self.final_norm(h)
+        selected = hidden if logits_at is None else hidden[:, logits_at]
+        logits = self.lm_head(selected)
+        return ForwardOutput(logits=logits, hidden=hidden, start=start, layer_hidden=captured)
+
+
+def causal_mask(prefix: int, T: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[T, prefix+T]``: every new token sees the whole prefix and the new tokens before it."""
+    mask = torch.ones(T, prefix + T, dtype=torch.bool, device=device)
+    mask[:, prefix:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+def tree_mask(prefix: int, ancestors: torch.Tensor) -> torch.Tensor:
+    """``[T, prefix+T]`` from a ``[T, T]`` matrix where ``ancestors[i, j]`` says j is i or an ancestor of i."""
+    T = ancestors.shape[0]
+    mask = torch.ones(T, prefix + T, dtype=torch.bool, device=ancestors.device)
+    mask[:, prefix:] = ancestors
+    return mask
+
+
+def apply_sliding_window(mask: torch.Tensor, positions: torch.Tensor, start: int, window: int) -> torch.Tensor:
+    """Hide keys ``window`` or more positions behind each query (Mistral).
+
+    Cached positions are contiguous (``0..start-1``) because trees are compacted to
+    their accepted path before the next forward.
+    """
+    q_pos = positions if positions.dim() == 1 else positions[0]
+    key_pos = torch.cat([torch.arange(start, device=mask.device), q_pos])
+    return mask & (q_pos[:, None] - key_pos[None, :] < window)
