@@ -1,0 +1,5 @@
+import sys
+
+from moaspec.cli import main
+
+sys.exit(main())

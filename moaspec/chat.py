@@ -1,0 +1,61 @@
+"""From user input to prompt token ids, with the model's own chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from moaspec.errors import PromptError
+
+Message = dict[str, str]
+ROLES = ("system", "user", "assistant")
+
+
+def validate_messages(messages: Sequence[Message]) -> list[Message]:
+    """Check a chat conversation's shape; raise :class:`PromptError` with what is wrong."""
+    if not messages:
+        raise PromptError("the conversation is empty: give at least one user message")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise PromptError(f"message {i} must be an object with a role in {ROLES} and a string content")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] != "user":
+        raise PromptError("the last message must come from the user")
+    if not any(m["content"].strip() for m in out if m["role"] == "user"):
+        raise PromptError("the prompt is empty")
+    return out
+
+
+def chat_messages(prompt: str, system: str | None = None) -> list[Message]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": prompt}]
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+    """Render ``messages`` with the tokenizer's chat template, ready for the assistant's turn.
+
+    A model without a chat template (a base model) gets the last user message as plain text.
+    """
+    messages = validate_messages(messages)
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode_text(tokenizer, messages[-1]["content"])
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Plain completion: the text as is, with the tokenizer's usual special tokens."""
+    if not text.strip():
+        raise PromptError("the prompt is empty")
+    return list(tokenizer(text)["input_ids"])
+
+
+def check_fits(prompt_len: int, context: int) -> None:
+    """A prompt must leave room for at least one generated token."""
+    if prompt_len == 0:
+        raise PromptError("the prompt is empty")
+    if prompt_len >= context:
+        raise PromptError(
+            f"the prompt is {prompt_len} tokens but the model's context window is {context}: shorten it"
+        )

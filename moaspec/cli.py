@@ -1,0 +1,128 @@
+"""The ``moaspec`` command.
+
+Every user mistake ends as one line on stderr and exit code 2; an interrupted run
+exits 130. Tracebacks are reserved for bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from moaspec.errors import MoaspecError
+
+EXIT_USAGE = 2
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model: 'smollm2' (default, embedded), a .gguf file, or a local HF model directory")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+def _add_generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moaspec", description="Mixture of Attentions speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer a chat prompt, streaming the text")
+    g.add_argument("prompt", nargs="?", default=None, help="the user message ('-' reads it from stdin)")
+    g.add_argument("--system", default=None, help="system message")
+    g.add_argument("--messages", default=None, help="JSON file with a list of {role, content} messages (multi-turn)")
+    g.add_argument("--raw", action="store_true", help="plain completion of the prompt text, no chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, timings) instead of streaming")
+    _add_model_options(g)
+    _add_generation_options(g)
+    return parser
+
+
+def _read_messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
+    if args.messages is None:
+        return None
+    if args.prompt is not None:
+        raise MoaspecError("give either a prompt or --messages, not both")
+    try:
+        with open(args.messages, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise MoaspecError(f"cannot read {args.messages}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise MoaspecError(f"{args.messages} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list):
+        raise MoaspecError(f"{args.messages} must hold a JSON list of messages")
+    return data
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moaspec.chat import chat_messages, encode_chat, encode_text
+    from moaspec.decoding import GenerationConfig, SamplingParams, generate
+    from moaspec.errors import PromptError
+
+    messages = _read_messages(args)
+    prompt = args.prompt
+    if messages is None:
+        if prompt == "-":
+            prompt = sys.stdin.read()
+        if prompt is None or not prompt.strip():
+            raise PromptError("the prompt is empty")
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
+        stop=tuple(args.stop),
+    )
+    loaded = _load(args)
+    if messages is not None:
+        ids = encode_chat(loaded.tokenizer, messages)
+    elif args.raw:
+        ids = encode_text(loaded.tokenizer, prompt)
+    else:
+        ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = generate(loaded.model, loaded.tokenizer, ids, config, on_text=None if args.json else stream)
+    if args.json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import torch
+
+    from moaspec.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_model(args.model, device=args.device)
+
+
+COMMANDS = {"generate": cmd_generate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except MoaspecError as exc:
+        print(f"moaspec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\nmoaspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

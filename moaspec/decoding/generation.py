@@ -1,0 +1,67 @@
+"""What every decoder takes and returns, so that vanilla and speculative runs compare directly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.errors import MoaspecError
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """When to stop and how to pick tokens."""
+
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise MoaspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationResult:
+    """Tokens, text and timings of one generation (one assistant turn)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_tokens: int
+    prefill_s: float
+    total_s: float
+    target_calls: int  # target forwards after prefill
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens added per target call
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens added per target forward (1.0 for vanilla decoding)."""
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "target_calls": self.target_calls,
+            "tau": round(self.tau, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "total_s": round(self.total_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+        }

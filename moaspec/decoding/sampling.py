@@ -1,0 +1,84 @@
+"""Turning logits into tokens: pure functions, shared by every decoder.
+
+Speculative sampling is only lossless if the drafter's and the target's distributions
+are warped by exactly the same rule, so the rule lives here once: temperature, then
+top-k, then top-p (nucleus), as in transformers' default warper order. Temperature 0
+means greedy; its "distribution" is the one-hot of the argmax, which lets the same
+acceptance code serve both modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.errors import MoaspecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to choose each token. ``temperature == 0`` is greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise MoaspecError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise MoaspecError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise MoaspecError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded with ``seed`` (or from the OS when no seed is given)."""
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k and top-p along the last axis; removed entries become -inf."""
+    logits = logits.float() / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token when the tokens ranked before it already reach top_p (the top one always stays)
+        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are drawn from: one-hot argmax when greedy, else softmax of the warped logits."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    return warp_logits(logits, params).softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of ``probs`` ``[..., V]`` → token ids ``[...]``."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def select_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose the next token from one logits vector ``[V]``."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(probabilities(logits, params), generator))

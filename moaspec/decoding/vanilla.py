@@ -1,0 +1,76 @@
+"""Vanilla autoregressive decoding: one target forward per token.
+
+The baseline every speedup is measured against, on the same runtime the speculative
+decoders use, so a ratio between them measures speculation and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from moaspec.chat import check_fits
+from moaspec.decoding.detokenize import Detokenizer
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, TextCallback
+from moaspec.decoding.sampling import select_token
+from moaspec.models.transformer import Transformer
+
+
+def stop_token_ids(model: Transformer, tokenizer: Any) -> set[int]:
+    """EOS ids from the model config and the tokenizer (chat models often end turns with their own)."""
+    ids = set(model.cfg.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def generate(
+    model: Transformer,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    config: GenerationConfig = GenerationConfig(),
+    on_text: TextCallback | None = None,
+) -> GenerationResult:
+    """Decode greedily or by sampling until EOS, a stop string, or ``max_new_tokens``."""
+    context = model.cfg.max_position_embeddings
+    check_fits(len(prompt_ids), context)
+    budget = min(config.max_new_tokens, context - len(prompt_ids))
+    eos = set() if config.ignore_eos else stop_token_ids(model, tokenizer)
+    gen = config.sampling.generator(model.device)
+    detok = Detokenizer(tokenizer, config.stop)
+    cache = model.new_cache(len(prompt_ids) + budget)
+
+    t0 = time.perf_counter()
+    prompt = torch.tensor([list(prompt_ids)], device=model.device)
+    logits = model(prompt, cache, logits_at=slice(-1, None)).logits[0, -1]
+    prefill_s = time.perf_counter() - t0
+    tokens: list[int] = []
+    finish = "length"
+    calls = 0
+    while True:
+        tok = select_token(logits, config.sampling, gen)
+        if tok in eos:
+            finish = "eos"
+            break
+        tokens.append(tok)
+        text = detok.push([tok])
+        if on_text and text:
+            on_text(text)
+        if detok.stopped:
+            finish = "stop"
+            break
+        if len(tokens) >= budget:
+            break
+        logits = model(torch.tensor([[tok]], device=model.device), cache).logits[0, -1]
+        calls += 1
+    tail = detok.flush()
+    if on_text and tail:
+        on_text(tail)
+    return GenerationResult(
+        token_ids=tokens, text=detok.text, finish_reason=finish, prompt_tokens=len(prompt_ids),
+        prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=calls,
+        accepted_lengths=[1] * calls,
+    )

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import make_tiny_model  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny random model directory per supported family."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_tiny_model(root / f, f, seed=i) for i, f in enumerate(["llama", "qwen2", "mistral"])}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_dirs: dict[str, Path]):  # type: ignore[no-untyped-def]
+    from moaspec.models import load_model_dir
+
+    return load_model_dir(tiny_dirs["llama"], device="cpu")
+
+
+@pytest.fixture(scope="session")
+def real_model():  # type: ignore[no-untyped-def]
+    """The default target (SmolLM2-135M-Instruct), loaded once per session."""
+    from moaspec.models import load_model
+
+    return load_model(device="cpu")

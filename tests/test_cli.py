@@ -1,0 +1,107 @@
+"""The CLI end to end on tiny models, and its one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "moaspec", *args], capture_output=True, text=True, input=stdin,
+                          env=env, timeout=300)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("moaspec: error:")]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_generate_json(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli("generate", "The quick brown", "--model", str(tiny_dirs["llama"]), "--json", "--max-new-tokens", "5")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_tokens"] > 0 and 0 < out["new_tokens"] <= 5
+    assert {"text", "finish_reason", "tokens_per_s", "total_s", "prefill_s", "target_calls"} <= out.keys()
+
+
+def test_generate_streams_and_matches_json(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    common = ("--model", str(tiny_dirs["qwen2"]), "--max-new-tokens", "12", "--temperature", "0.7", "--seed", "3")
+    streamed = run_cli("generate", "hello", *common)
+    as_json = run_cli("generate", "hello", *common, "--json")
+    assert streamed.returncode == 0 and as_json.returncode == 0
+    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+
+
+def test_messages_file_and_stdin(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    msgs = tmp_path / "conv.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                                {"role": "user", "content": "again"}]))
+    proc = run_cli("generate", "--messages", str(msgs), "--model", str(tiny_dirs["llama"]), "--json", "--max-new-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("generate", "-", "--model", str(tiny_dirs["llama"]), "--json", "--max-new-tokens", "3", stdin="from stdin")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_empty_prompt(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    assert_one_line_error(run_cli("generate", "  ", "--model", str(tiny_dirs["llama"])), "prompt is empty")
+    assert_one_line_error(run_cli("generate", "--model", str(tiny_dirs["llama"])), "prompt is empty")
+
+
+def test_prompt_over_context(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli("generate", "the quick brown fox " * 200, "--model", str(tiny_dirs["llama"]))
+    assert_one_line_error(proc, "context window")
+
+
+def test_missing_model_path() -> None:
+    assert_one_line_error(run_cli("generate", "hi", "--model", "/no/such/model"), "does not exist")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(tmp_path)), "unsupported architecture 'gpt2'")
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(tmp_path)), "config.json is missing")
+
+
+@pytest.mark.parametrize("damage", ["no-weights", "corrupt-weights", "no-tokenizer", "bad-json"])
+def test_damaged_model_directory(tiny_dirs, tmp_path: Path, damage: str) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "m"
+    shutil.copytree(tiny_dirs["llama"], bad)
+    if damage == "no-weights":
+        (bad / "model.safetensors").unlink()
+        fragment = "no *.safetensors"
+    elif damage == "corrupt-weights":
+        (bad / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+        fragment = "cannot read weights"
+    elif damage == "no-tokenizer":
+        for f in bad.glob("tokenizer*"):
+            f.unlink()
+        fragment = "tokenizer"
+    else:
+        (bad / "config.json").write_text("{not json")
+        fragment = "not valid JSON"
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(bad)), fragment)
+
+
+@pytest.mark.parametrize("opts,fragment", [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"),
+                                           (["--max-new-tokens", "0"], "max_new_tokens")])
+def test_bad_options(tiny_dirs, opts, fragment) -> None:  # type: ignore[no-untyped-def]
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), *opts), fragment)
+
+
+def test_bad_messages_file(tmp_path: Path) -> None:
+    f = tmp_path / "m.json"
+    f.write_text("{oops")
+    assert_one_line_error(run_cli("generate", "--messages", str(f)), "not valid JSON")
+    assert_one_line_error(run_cli("generate", "--messages", str(tmp_path / "none.json")), "cannot read")

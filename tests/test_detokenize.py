@@ -1,0 +1,53 @@
+"""Streaming text: multi-byte characters, stop strings across token boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from moaspec.decoding.detokenize import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():  # type: ignore[no-untyped-def]
+    from tiny import make_tokenizer
+
+    return make_tokenizer(320)
+
+
+def stream(tok, text: str, stop=()):  # type: ignore[no-untyped-def]
+    d = Detokenizer(tok, stop)
+    pieces = []
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        pieces.append(d.push([t]))
+        if d.stopped:
+            break
+    pieces.append(d.flush())
+    return d, pieces
+
+
+def test_streamed_pieces_concatenate_to_the_text(tok) -> None:  # type: ignore[no-untyped-def]
+    text = "Café ☕ 日本語 🙂 the quick brown fox"
+    d, pieces = stream(tok, text)
+    assert "".join(pieces) == text == d.text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_shown(tok) -> None:  # type: ignore[no-untyped-def]
+    d, pieces = stream(tok, "def add(a, b):\n    return a + b\n", stop=["return"])
+    assert d.stopped
+    assert d.text == "def add(a, b):\n    "
+    assert "".join(pieces) == d.text
+    assert not any("ret" in p for p in pieces)
+
+
+def test_partial_stop_prefix_is_released_at_the_end(tok) -> None:  # type: ignore[no-untyped-def]
+    d, pieces = stream(tok, "the quick brown fox", stop=["fox jumps"])
+    assert not d.stopped
+    assert "".join(pieces) == "the quick brown fox"
+
+
+def test_many_tokens_at_once(tok) -> None:  # type: ignore[no-untyped-def]
+    ids = tok("Paris is the capital of France.", add_special_tokens=False)["input_ids"]
+    d = Detokenizer(tok, stop=["capital"])
+    out = d.push(ids) + d.flush()
+    assert out == "Paris is the " and d.stopped

@@ -1,0 +1,216 @@
+"""The target runtime against transformers' own forward, and its cache and mask mechanics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moaspec.models import causal_mask, load_model_dir, tree_mask
+
+FAMILIES = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_dirs):  # type: ignore[no-untyped-def]
+    """(moaspec runtime, HF model) per family, same weights."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for fam in FAMILIES:
+        ours = load_model_dir(tiny_dirs[fam], device="cpu", with_tokenizer=False).model
+        hf = AutoModelForCausalLM.from_pretrained(str(tiny_dirs[fam]), dtype=torch.float32).eval()
+        out[fam] = (ours, hf)
+    return out
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("length", [1, 7, 40, 130])
+def test_logits_match_transformers_without_cache(pairs, family: str, length: int) -> None:  # type: ignore[no-untyped-def]
+    ours, hf = pairs[family]
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+    out = ours(ids, ours.new_cache(256))
+    torch.testing.assert_close(out.logits, hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_with_cache(pairs, family: str) -> None:  # type: ignore[no-untyped-def]
+    """Prefill in uneven chunks and token by token: every position matches the one-shot HF forward."""
+    ours, hf = pairs[family]
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 60), generator=torch.Generator().manual_seed(1))
+    ref = hf_logits(hf, ids)
+    cache = ours.new_cache(128)
+    pieces = []
+    for a, b in [(0, 17), (17, 18), (18, 40), *[(i, i + 1) for i in range(40, 60)]]:
+        pieces.append(ours(ids[:, a:b], cache).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), ref, atol=1e-4, rtol=0)
+    assert cache.length == 60
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hidden_states_match_transformers(pairs, family: str) -> None:  # type: ignore[no-untyped-def]
+    ours, hf = pairs[family]
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 25), generator=torch.Generator().manual_seed(2))
+    L = ours.cfg.num_layers
+    out = ours(ids, ours.new_cache(64), hidden_after=(0, 1, L - 1))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True).hidden_states  # embeddings, after layer 1..L-1, final (normed)
+    for k in (0, 1, L - 1):
+        torch.testing.assert_close(out.layer_hidden[k], ref[k], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.hidden, ref[L], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_kv_matches_transformers_cache(pairs, family: str) -> None:  # type: ignore[no-untyped-def]
+    """Every layer's K/V for the new tokens, in the Layer Self-Attention layout."""
+    ours, hf = pairs[family]
+    cfg = ours.cfg
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = ours.new_cache(64)
+    ours(ids[:, :5], cache)
+    ours(ids[:, 5:], cache)
+    kv = cache.token_kv(5, 12)
+    assert kv.shape == (1, 7, cfg.num_layers, 2 * cfg.kv_dim)
+    with torch.no_grad():
+        pkv = hf(ids, use_cache=True).past_key_values
+    for layer in range(cfg.num_layers):
+        k_ref, v_ref = pkv.layers[layer].keys, pkv.layers[layer].values  # [1, H, T, D]
+        ref = torch.cat([k_ref, v_ref], dim=1)[0, :, 5:].permute(1, 0, 2).reshape(7, -1)
+        torch.testing.assert_close(kv[0, :, layer], ref, atol=1e-4, rtol=0)
+
+
+def branches_tree() -> tuple[list[int], list[int]]:
+    """A 7-node tree: node parents (-1 = child of the prefix) and depths.
+
+        0 ─ 1 ─ 3
+          └ 2 ─ 4 ─ 6
+        5 (a second root)
+    """
+    parents = [-1, 0, 0, 1, 2, -1, 4]
+    depths = [0, 1, 1, 2, 2, 0, 3]
+    return parents, depths
+
+
+def ancestors_matrix(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j != -1:
+            anc[i, j] = True
+            j = parents[j]
+    return anc
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_forward_equals_each_branch(pairs, family: str) -> None:  # type: ignore[no-untyped-def]
+    ours, _ = pairs[family]
+    V = ours.cfg.vocab_size
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, V, (1, 20), generator=gen)
+    parents, depths = branches_tree()
+    nodes = torch.randint(0, V, (1, len(parents)), generator=gen)
+    cache = ours.new_cache(64)
+    ours(prefix, cache)
+    anc = ancestors_matrix(parents)
+    positions = 20 + torch.tensor(depths)
+    tree_out = ours(nodes, cache, positions=positions, mask=tree_mask(20, anc)).logits
+    for leaf in (3, 6, 5):
+        path = anc[leaf].nonzero().flatten().tolist()  # root..leaf, in index order = depth order
+        ref_cache = ours.new_cache(64)
+        ref = ours(torch.cat([prefix, nodes[:, path]], dim=1), ref_cache).logits[:, 20:]
+        torch.testing.assert_close(tree_out[:, path], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compact_keeps_accepted_path(pairs, family: str) -> None:  # type: ignore[no-untyped-def]
+    """After verifying a tree, compacting to one path leaves the cache as if only that path was fed."""
+    ours, _ = pairs[family]
+    V = ours.cfg.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, V, (1, 15), generator=gen)
+    parents, depths = branches_tree()
+    nodes = torch.randint(0, V, (1, len(parents)), generator=gen)
+    anc = ancestors_matrix(parents)
+    cache = ours.new_cache(64)
+    ours(prefix, cache)
+    ours(nodes, cache, positions=15 + torch.tensor(depths), mask=tree_mask(15, anc))
+    path = [0, 2, 4, 6]
+    cache.compact(15, torch.tensor(path))
+    assert cache.length == 19
+    nxt = torch.randint(0, V, (1, 3), generator=gen)
+    got = ours(nxt, cache).logits
+    ref_cache = ours.new_cache(64)
+    ref = ours(torch.cat([prefix, nodes[:, path], nxt], dim=1), ref_cache).logits[:, -3:]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_truncate_is_rollback(pairs) -> None:  # type: ignore[no-untyped-def]
+    ours, _ = pairs["llama"]
+    V = ours.cfg.vocab_size
+    gen = torch.Generator().manual_seed(6)
+    a, rejected, b = (torch.randint(0, V, (1, n), generator=gen) for n in (10, 5, 4))
+    cache = ours.new_cache(64)
+    ours(a, cache)
+    ours(rejected, cache)
+    cache.truncate(10)
+    got = ours(b, cache).logits
+    ref = ours(torch.cat([a, b], dim=1), ours.new_cache(64)).logits[:, -4:]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError):
+        cache.truncate(99)
+
+
+def test_left_padded_batch_matches_single_rows(pairs) -> None:  # type: ignore[no-untyped-def]
+    """Batched prompts of different lengths (left padding, per-row positions and masks)."""
+    ours, _ = pairs["llama"]
+    V = ours.cfg.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    rows = [torch.randint(0, V, (n,), generator=gen) for n in (9, 4)]
+    T = 9
+    ids = torch.zeros(2, T, dtype=torch.long)
+    pos = torch.zeros(2, T, dtype=torch.long)
+    valid = torch.zeros(2, T, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, T - len(r):] = r
+        pos[i, T - len(r):] = torch.arange(len(r))
+        valid[i, T - len(r):] = True
+    mask = causal_mask(0, T)[None] & valid[:, None, :]
+    mask |= torch.eye(T, dtype=torch.bool)[None]  # padding rows attend to themselves: no NaN
+    out = ours(ids, ours.new_cache(32, batch_size=2), positions=pos, mask=mask).logits
+    for i, r in enumerate(rows):
+        ref = ours(r[None], ours.new_cache(32)).logits[0]
+        torch.testing.assert_close(out[i, T - len(r):], ref, atol=1e-4, rtol=0)
+
+
+def test_sliding_window_matches_transformers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tiny import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path / "mistral-sw", "mistral", sliding_window=8)
+    ours = load_model_dir(path, device="cpu", with_tokenizer=False).model
+    assert ours.cfg.sliding_window == 8
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(8))
+    cache = ours.new_cache(64)
+    got = torch.cat([ours(ids[:, :20], cache).logits] + [ours(ids[:, i:i + 1], cache).logits for i in range(20, 30)], 1)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_logits_at_selects_positions(pairs) -> None:  # type: ignore[no-untyped-def]
+    ours, _ = pairs["llama"]
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(9))
+    full = ours(ids, ours.new_cache(16)).logits
+    last = ours(ids, ours.new_cache(16), logits_at=slice(-1, None)).logits
+    assert last.shape == (1, 1, ours.cfg.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:], atol=1e-5, rtol=0)
+
+
+def test_cache_overflow_is_refused(pairs) -> None:  # type: ignore[no-untyped-def]
+    ours, _ = pairs["llama"]
+    with pytest.raises(ValueError, match="cache overflow"):
+        ours(torch.zeros(1, 9, dtype=torch.long), ours.new_cache(8))

@@ -1,0 +1,73 @@
+"""Tiny randomly initialised models (Llama, Qwen2, Mistral) saved as real HF directories.
+
+Each directory has config.json, safetensors weights, and a small byte-level BPE tokenizer
+with a ChatML template, so the whole load → encode → generate path runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
+    "def add(a, b):\n    return a + b\n",
+    "Paris is the capital of France. Berlin is the capital of Germany. 1 2 3 4 5 6 7 8 9 10",
+    "Café, naïve, jalapeño: unicode text ☕ 日本語 🙂",
+]
+
+
+def make_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, vocab_size: int = 320, **overrides) -> Path:  # type: ignore[no-untyped-def]
+    """Write a tiny random ``family`` model with a tokenizer to ``path``; return ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = make_tokenizer(vocab_size)
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=family != "qwen2",
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    if family == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(family, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random init is near-uniform; sharpen so greedy has clear winners
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:  # norm weights
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    return path
