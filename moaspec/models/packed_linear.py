@@ -46,8 +46,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(module: nn.Module) -> None:
-    """Prepack every :class:`Linear` inside ``module`` (a no-op off CPU/fp32)."""
+def pack_linears(module: nn.Module, enable: bool = True) -> None:
+    """Prepack every :class:`Linear` inside ``module`` (a no-op off CPU/fp32); ``enable=False`` drops the packs."""
     for m in module.modules():
         if isinstance(m, Linear):
-            m.pack()
+            m.pack() if enable else m.unpack()
