@@ -214,3 +214,27 @@ def test_cache_overflow_is_refused(pairs) -> None:  # type: ignore[no-untyped-de
     ours, _ = pairs["llama"]
     with pytest.raises(ValueError, match="cache overflow"):
         ours(torch.zeros(1, 9, dtype=torch.long), ours.new_cache(8))
+
+
+def test_half_precision_path(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    """The bf16 path (used on CUDA) runs unpacked and stays close to fp32."""
+    fp32 = load_model_dir(tiny_dirs["llama"], device="cpu", with_tokenizer=False).model
+    bf16 = load_model_dir(tiny_dirs["llama"], device="cpu", dtype=torch.bfloat16, with_tokenizer=False).model
+    assert bf16.dtype == torch.bfloat16 and bf16.lm_head.packed is None
+    ids = torch.randint(0, fp32.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(10))
+    a = fp32(ids, fp32.new_cache(32)).logits
+    b = bf16(ids, bf16.new_cache(32)).logits.float()
+    assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+def test_packed_linear_keeps_gradients(pairs) -> None:  # type: ignore[no-untyped-def]
+    """Target layers reused by a drafter (Target Layer Inference) must pass gradients to their input."""
+    ours, _ = pairs["llama"]
+    block = ours.blocks[-1]
+    assert block.mlp.down.packed is not None
+    x = torch.randn(1, 3, ours.cfg.hidden_size, requires_grad=True)
+    y = block.mlp(x)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    with torch.no_grad():
+        torch.testing.assert_close(block.mlp(x), y, atol=1e-5, rtol=0)
