@@ -106,23 +106,27 @@ def ancestors_matrix(parents: list[int]) -> torch.Tensor:
     return anc
 
 
+def run_tree(model, prefix_len: int, seed: int):  # type: ignore[no-untyped-def]
+    """Feed a random prefix, then the 7-node tree in one masked forward; return what the checks need."""
+    V = model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, V, (1, prefix_len), generator=gen)
+    parents, depths = branches_tree()
+    nodes = torch.randint(0, V, (1, len(parents)), generator=gen)
+    anc = ancestors_matrix(parents)
+    cache = model.new_cache(64)
+    model(prefix, cache)
+    logits = model(nodes, cache, positions=prefix_len + torch.tensor(depths), mask=tree_mask(prefix_len, anc)).logits
+    return prefix, nodes, anc, cache, logits, gen
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_forward_equals_each_branch(pairs, family: str) -> None:  # type: ignore[no-untyped-def]
     ours, _ = pairs[family]
-    V = ours.cfg.vocab_size
-    gen = torch.Generator().manual_seed(4)
-    prefix = torch.randint(0, V, (1, 20), generator=gen)
-    parents, depths = branches_tree()
-    nodes = torch.randint(0, V, (1, len(parents)), generator=gen)
-    cache = ours.new_cache(64)
-    ours(prefix, cache)
-    anc = ancestors_matrix(parents)
-    positions = 20 + torch.tensor(depths)
-    tree_out = ours(nodes, cache, positions=positions, mask=tree_mask(20, anc)).logits
+    prefix, nodes, anc, _, tree_out, _ = run_tree(ours, 20, seed=4)
     for leaf in (3, 6, 5):
         path = anc[leaf].nonzero().flatten().tolist()  # root..leaf, in index order = depth order
-        ref_cache = ours.new_cache(64)
-        ref = ours(torch.cat([prefix, nodes[:, path]], dim=1), ref_cache).logits[:, 20:]
+        ref = ours(torch.cat([prefix, nodes[:, path]], dim=1), ours.new_cache(64)).logits[:, 20:]
         torch.testing.assert_close(tree_out[:, path], ref, atol=1e-4, rtol=0)
 
 
@@ -131,14 +135,7 @@ def test_compact_keeps_accepted_path(pairs, family: str) -> None:  # type: ignor
     """After verifying a tree, compacting to one path leaves the cache as if only that path was fed."""
     ours, _ = pairs[family]
     V = ours.cfg.vocab_size
-    gen = torch.Generator().manual_seed(5)
-    prefix = torch.randint(0, V, (1, 15), generator=gen)
-    parents, depths = branches_tree()
-    nodes = torch.randint(0, V, (1, len(parents)), generator=gen)
-    anc = ancestors_matrix(parents)
-    cache = ours.new_cache(64)
-    ours(prefix, cache)
-    ours(nodes, cache, positions=15 + torch.tensor(depths), mask=tree_mask(15, anc))
+    prefix, nodes, _, cache, _, gen = run_tree(ours, 15, seed=5)
     path = [0, 2, 4, 6]
     cache.compact(15, torch.tensor(path))
     assert cache.length == 19
