@@ -42,6 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, timings) instead of streaming")
     _add_model_options(g)
     _add_generation_options(g)
+
+    d = sub.add_parser("data", help="make a distillation set: prompts and answers written by the target itself (Magpie)")
+    d.add_argument("--output", required=True, help="directory for shards and manifest.json (resumes if it exists)")
+    d.add_argument("--examples", type=int, default=2000, help="stop at this many assistant turns")
+    d.add_argument("--shard-size", type=int, default=64, help="conversations started per shard")
+    d.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
+    d.add_argument("--max-query-tokens", type=int, default=96)
+    d.add_argument("--max-answer-tokens", type=int, default=384)
+    d.add_argument("--multi-turn", type=float, default=0.2, help="fraction of conversations with a second user turn")
+    d.add_argument("--greedy-fraction", type=float, default=0.5, help="fraction of answers decoded greedily (rest sampled)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-progress", action="store_true")
+    _add_model_options(d)
     return parser
 
 
@@ -99,6 +112,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moaspec.training.datagen import DataConfig, generate_dataset
+
+    for name in ("examples", "shard_size", "batch_size", "max_query_tokens", "max_answer_tokens"):
+        if getattr(args, name) < 1:
+            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("multi_turn", "greedy_fraction"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise MoaspecError(f"--{name.replace('_', '-')} must be between 0 and 1")
+    cfg = DataConfig(
+        examples=args.examples, shard_size=args.shard_size, batch_size=args.batch_size,
+        max_query_tokens=args.max_query_tokens, max_answer_tokens=args.max_answer_tokens,
+        multi_turn=args.multi_turn, greedy_fraction=args.greedy_fraction, seed=args.seed,
+    )
+    loaded = _load(args)
+    manifest = generate_dataset(loaded, Path(args.output), cfg, progress=not args.no_progress)
+    records = sum(s["records"] for s in manifest["shards"])
+    tokens = sum(s["answer_tokens"] for s in manifest["shards"])
+    print(f"{args.output}: {records} assistant turns, {tokens} answer tokens in {len(manifest['shards'])} shards")
+    return 0
+
+
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
@@ -109,7 +146,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return load_model(args.model, device=args.device)
 
 
-COMMANDS = {"generate": cmd_generate}
+COMMANDS = {"generate": cmd_generate, "data": cmd_data}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

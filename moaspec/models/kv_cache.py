@@ -75,6 +75,12 @@ class KVCache:
             self.values[:, :, :, start : start + n] = self.values.index_select(3, src)
         self.length = start + n
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (batched generation drops finished sequences)."""
+        rows = rows.to(device=self.keys.device, dtype=torch.long)
+        self.keys = self.keys.index_select(1, rows)
+        self.values = self.values.index_select(1, rows)
+
     def token_kv(self, start: int, end: int) -> torch.Tensor:
         """Per-token view of every layer's K and V: ``[batch, end-start, layers, 2*kv_heads*head_dim]``.
 

@@ -7,6 +7,8 @@ matmuls instead of seven.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +110,21 @@ def build_transformer(
     model.eval().requires_grad_(False)
     pack_linears(model)
     return model
+
+
+def fingerprint(model: Transformer) -> str:
+    """A short hash of the architecture and a sample of every weight tensor.
+
+    Identifies a target cheaply (milliseconds): drafters and distillation data record
+    it, so that they are never used with a model they were not made for.
+    """
+    h = hashlib.sha256(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
+    for name, t in sorted(model.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        h.update(name.encode())
+        h.update(flat[::step].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def load_tokenizer(path: Path) -> object:

@@ -1,0 +1,1 @@
+"""Distillation: data made by the target itself, and (later) drafter training."""

@@ -1,0 +1,64 @@
+"""Distillation data made by the target: shards, manifest, resume, refusal of foreign directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moaspec.errors import MoaspecError
+from moaspec.training.datagen import DataConfig, generate_dataset, pre_query_prefix, read_shard, usable_query
+
+CFG = DataConfig(examples=6, shard_size=8, batch_size=4, max_query_tokens=12, max_answer_tokens=10, multi_turn=0.5)
+
+
+@pytest.fixture()
+def permissive(monkeypatch):  # type: ignore[no-untyped-def]
+    """A random tiny model writes gibberish prompts; accept any non-empty one for the mechanics tests."""
+    monkeypatch.setattr("moaspec.training.datagen.usable_query", lambda q: bool(q.strip()))
+
+
+def test_pre_query_prefix_stops_at_user_turn(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    prefix = pre_query_prefix(tiny_llama.tokenizer, [{"role": "system", "content": "S"}])
+    assert prefix == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"
+
+
+def test_query_filter() -> None:
+    assert usable_query("Write a poem about the sea.")
+    assert not usable_query("hi")
+    assert not usable_query("<|im_start|> what is this")
+    assert not usable_query("1234 5678 9999 ++++")
+
+
+def test_dataset_shards_manifest_and_resume(tiny_llama, tmp_path: Path, permissive) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "data"
+    manifest = generate_dataset(tiny_llama, out, CFG, progress=False)
+    shards = manifest["shards"]
+    assert sum(s["records"] for s in shards) >= CFG.examples
+    records = [r for s in shards for r in read_shard(out / s["file"])]
+    assert all(r["prompt_ids"] and r["turn"] in (0, 1) for r in records)
+    assert all(len(r["answer_ids"]) <= CFG.max_answer_tokens for r in records)
+    queries = [r["query"] for r in records if r["turn"] == 0]
+    assert len(queries) == len(set(queries))  # deduplicated
+    assert not list(out.glob(".*tmp"))  # nothing half-written left behind
+
+    # resume with a larger target: earlier shards untouched, new ones appended
+    first = (out / shards[0]["file"]).read_text()
+    bigger = DataConfig(**{**CFG.__dict__, "examples": CFG.examples + 10})
+    manifest2 = generate_dataset(tiny_llama, out, bigger, progress=False)
+    assert len(manifest2["shards"]) > len(shards)
+    assert (out / shards[0]["file"]).read_text() == first
+
+
+def test_same_seed_same_data(tiny_llama, tmp_path: Path, permissive) -> None:  # type: ignore[no-untyped-def]
+    a = generate_dataset(tiny_llama, tmp_path / "a", CFG, progress=False)
+    b = generate_dataset(tiny_llama, tmp_path / "b", CFG, progress=False)
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+
+
+def test_other_settings_are_refused(tiny_llama, tmp_path: Path, permissive) -> None:  # type: ignore[no-untyped-def]
+    generate_dataset(tiny_llama, tmp_path, CFG, progress=False)
+    with pytest.raises(MoaspecError, match="other settings or another model"):
+        generate_dataset(tiny_llama, tmp_path, DataConfig(**{**CFG.__dict__, "seed": 1}), progress=False)
+    assert json.loads((tmp_path / "manifest.json").read_text())["identity"]["config"]["seed"] == 0
