@@ -105,3 +105,10 @@ def test_bad_messages_file(tmp_path: Path) -> None:
     f.write_text("{oops")
     assert_one_line_error(run_cli("generate", "--messages", str(f)), "not valid JSON")
     assert_one_line_error(run_cli("generate", "--messages", str(tmp_path / "none.json")), "cannot read")
+
+
+@pytest.mark.parametrize("opts,fragment", [(["--examples", "0"], "--examples"), (["--multi-turn", "2"], "--multi-turn")])
+def test_data_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli("data", "--output", str(tmp_path / "d"), "--model", str(tiny_dirs["llama"]), *opts)
+    assert_one_line_error(proc, fragment)
+    assert not (tmp_path / "d").exists()
