@@ -1,0 +1,57 @@
+"""Training masks that make the MoA drafter T-step bounded (DESIGN-FACTS §2).
+
+At inference, after a verification the target's states are known for every token
+before the target's own new token, and the drafter then drafts several tokens from
+that fixed memory. Training imitates this: each response is cut into segments of
+random length (uniform in 5..15); a position may cross-attend only to target states
+*before its segment's start*, exactly as a drafted token sees only states verified
+before the current drafting cycle. The prompt is verified in one go, so it is a
+segment of its own, and the first response segment starts at the first response token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def segment_starts(prompt_len: int, seq_len: int, generator: torch.Generator, lo: int = 5, hi: int = 15) -> torch.Tensor:
+    """``[seq_len]``: the start of the segment each position belongs to (0 for prompt positions).
+
+    Response segments have lengths drawn uniformly from ``lo..hi``; the last one is cut
+    by the end of the sequence.
+    """
+    if not 1 <= lo <= hi:
+        raise ValueError(f"segment lengths need 1 <= lo <= hi, got {lo}..{hi}")
+    starts = torch.zeros(seq_len, dtype=torch.long)
+    s = prompt_len
+    while s < seq_len:
+        n = int(torch.randint(lo, hi + 1, (1,), generator=generator))
+        starts[s : s + n] = s
+        s += n
+    return starts
+
+
+def cross_attention_mask(starts: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """``[S, S]`` bool, query × memory: response positions see memory strictly before their segment start.
+
+    Prompt positions (no loss there) see the memory causally, so that no row is empty.
+    """
+    S = starts.shape[0]
+    pos = torch.arange(S)
+    limit = torch.where(pos < prompt_len, pos + 1, starts)  # memory positions < limit are visible
+    return pos[None, :] < limit[:, None]
+
+
+def self_attention_mask(starts: torch.Tensor, local: bool) -> torch.Tensor:
+    """``[S, S]`` causal mask for SA; ``local`` keeps each position inside its own segment (staircase)."""
+    S = starts.shape[0]
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    if not local:
+        return causal
+    return causal & (starts[:, None] == starts[None, :])
+
+
+def staircase_probability(step: int, total_steps: int) -> float:
+    """Probability that SA is restricted to the current segment: 1 at the start, 0 from half of training on."""
+    half = max(1, total_steps // 2)
+    return max(0.0, 1.0 - step / half)
