@@ -37,8 +37,6 @@ class GenerationResult:
     total_s: float
     target_calls: int  # target forwards after prefill
     accepted_lengths: list[int] = field(default_factory=list)  # tokens added per target call
-    draft_s: float = 0.0
-    verify_s: float = 0.0
 
     @property
     def new_tokens(self) -> int:

@@ -2,7 +2,7 @@
 
 Only decoder-only families whose blocks are (RMSNorm → GQA attention with RoPE →
 RMSNorm → SwiGLU MLP) are accepted: Llama, Qwen2 and Mistral. They differ only in
-attention biases (Qwen2) and a sliding window (Mistral), both handled here.
+q/k/v biases (Qwen2, detected from the weights) and a sliding window (Mistral).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -82,7 +81,6 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
             sliding_window=window,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,

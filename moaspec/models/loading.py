@@ -97,7 +97,7 @@ def build_transformer(
     state = convert_hf_state_dict(hf_state, cfg)
     qkv_bias = "blocks.0.attn.qkv.bias" in state
     with torch.device("meta"):
-        model = Transformer(cfg, attention_bias=qkv_bias)
+        model = Transformer(cfg, qkv_bias=qkv_bias)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     try:
         model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)

@@ -83,11 +83,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_bias: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.attn = Attention(cfg, bias=attention_bias)
+        self.attn = Attention(cfg, bias=qkv_bias)
         self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.mlp = MLP(cfg)
 
@@ -116,11 +116,11 @@ class ForwardOutput:
 class Transformer(nn.Module):
     """A Llama/Qwen2/Mistral decoder with explicit positions, masks and cache control."""
 
-    def __init__(self, cfg: ModelConfig, attention_bias: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(Block(cfg, attention_bias) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, qkv_bias) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
