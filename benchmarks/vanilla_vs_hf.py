@@ -18,6 +18,7 @@ import torch
 
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.models import load_model
 from moaspec.specbench import load_questions
 
@@ -50,7 +51,7 @@ def main() -> None:
 
     lm = load_model(args.model, device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32).eval()
-    eos = set(lm.cfg.eos_token_ids) | {lm.tokenizer.eos_token_id}
+    eos = stop_token_ids(lm.model, lm.tokenizer)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     questions = load_questions(args.questions, per_file=args.per_file)
     prompts = [(q, encode_chat(lm.tokenizer, chat_messages(q.turns[0]))) for q in questions]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moaspec.decoding.sampling import SamplingParams, probabilities, sample
+from moaspec.decoding.sampling import SamplingParams, select_tokens
 from moaspec.models.transformer import Transformer, causal_mask
 
 
@@ -45,10 +45,7 @@ def generate_batch(
     outputs: list[list[int]] = [[] for _ in range(B)]
     stopped = [False] * B
     for step in range(max_new_tokens):
-        if sampling.greedy:
-            nxt = logits.argmax(dim=-1)
-        else:
-            nxt = sample(probabilities(logits, sampling), generator)
+        nxt = select_tokens(logits, sampling, generator)
         keep = []
         for r, (row, tok) in enumerate(zip(alive.tolist(), nxt.tolist())):
             if tok in stop_ids:

@@ -77,8 +77,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def select_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Choose one token per row of ``logits`` ``[..., V]`` → ids ``[...]``."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return sample(probabilities(logits, params), generator)
+
+
 def select_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Choose the next token from one logits vector ``[V]``."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(probabilities(logits, params), generator))
+    return int(select_tokens(logits, params, generator))
