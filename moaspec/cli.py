@@ -55,6 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress", action="store_true")
     _add_model_options(d)
+
+    t = sub.add_parser("train", help="distil a MoA drafter from the target (HF Accelerate; works under accelerate launch / torchrun)")
+    t.add_argument("--data", required=True, help="directory made by `moaspec data`")
+    t.add_argument("--output", required=True, help="run directory: state, logs, and the exported drafter in OUTPUT/drafter (resumes if it exists)")
+    t.add_argument("--steps", type=int, default=1000, help="optimizer updates")
+    t.add_argument("--tokens-per-batch", type=int, default=4096, help="tokens per micro-batch and process, padding included")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--warmup", type=int, default=50, help="linear warm-up updates, then cosine decay")
+    t.add_argument("--max-len", type=int, default=768, help="truncate sequences to this many tokens")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="draft logits over the K most frequent target outputs (0 = whole vocabulary)")
+    t.add_argument("--tli-layers", type=int, default=0, help="Target Layer Inference: reuse the target's last N layers")
+    t.add_argument("--segment-min", type=int, default=5, help="shortest T-step-bounded training segment")
+    t.add_argument("--segment-max", type=int, default=15, help="longest T-step-bounded training segment")
+    t.add_argument("--no-staircase", action="store_true", help="no SA curriculum")
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--save-every", type=int, default=50)
+    t.add_argument("--val-fraction", type=float, default=0.02)
+    t.add_argument("--mixed-precision", choices=("auto", "no", "fp16", "bf16"), default="auto")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
+    t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")
+    t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: 1.5x its input)")
+    t.add_argument("--no-progress", action="store_true")
+    _add_model_options(t)
     return parser
 
 
@@ -136,6 +161,37 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moaspec.training.trainer import TrainConfig, Trainer
+
+    for name in ("steps", "tokens_per_batch", "grad_accum", "max_len", "eval_every", "save_every", "segment_min"):
+        if getattr(args, name) < 1:
+            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.segment_max < args.segment_min:
+        raise MoaspecError("--segment-max must be >= --segment-min")
+    if args.lr <= 0 or args.warmup < 0 or not 0 < args.val_fraction < 1 or args.draft_vocab < 0:
+        raise MoaspecError("--lr must be > 0, --warmup >= 0, --val-fraction in (0, 1) and --draft-vocab >= 0")
+    cfg = TrainConfig(
+        steps=args.steps, tokens_per_batch=args.tokens_per_batch, grad_accum=args.grad_accum, lr=args.lr,
+        warmup=args.warmup, max_len=args.max_len, segment_min=args.segment_min, segment_max=args.segment_max,
+        staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
+        save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
+        mixed_precision=args.mixed_precision,
+    )
+    loaded = _load(args)
+    if not 0 <= args.tli_layers < loaded.cfg.num_layers:
+        raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
+    sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_mlp": args.lsa_mlp}
+    trainer = Trainer(loaded, Path(args.data), Path(args.output), cfg, sizes, progress=not args.no_progress)
+    summary = trainer.train()
+    if trainer.acc.is_main_process:
+        print(json.dumps({k: summary[k] for k in ("steps", "tokens", "wall_s", "last_val")}))
+        print(f"drafter written to {Path(args.output) / 'drafter'}")
+    return 0
+
+
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
@@ -146,7 +202,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return load_model(args.model, device=args.device)
 
 
-COMMANDS = {"generate": cmd_generate, "data": cmd_data}
+COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.errors import MoaspecError
 
@@ -37,6 +38,7 @@ class GenerationResult:
     total_s: float
     target_calls: int  # target forwards after prefill
     accepted_lengths: list[int] = field(default_factory=list)  # tokens added per target call
+    draft_s: float = 0.0  # time spent proposing drafts (speculative decoders)
 
     @property
     def new_tokens(self) -> int:
@@ -61,5 +63,51 @@ class GenerationResult:
             "tau": round(self.tau, 4),
             "prefill_s": round(self.prefill_s, 4),
             "total_s": round(self.total_s, 4),
+            "draft_s": round(self.draft_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
         }
+
+
+class TokenSink:
+    """Where every decoder puts its new tokens: EOS, stop strings, the token budget, streaming.
+
+    Speculative decoders add several tokens per step; the sink keeps only those before
+    the first stop condition, so every decoder ends exactly where vanilla decoding would.
+    """
+
+    def __init__(self, tokenizer: object, config: GenerationConfig, eos: set[int], budget: int,
+                 on_text: TextCallback | None) -> None:
+        self.eos = set() if config.ignore_eos else eos
+        self.budget = budget
+        self.detok = Detokenizer(tokenizer, config.stop)
+        self.on_text = on_text
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def push(self, new: Sequence[int]) -> bool:
+        """Append tokens until one stops generation; return True once generation is over."""
+        for tok in new:
+            if tok in self.eos:
+                self.finish = "eos"
+                break
+            self.tokens.append(tok)
+            text = self.detok.push([tok])
+            if self.on_text and text:
+                self.on_text(text)
+            if self.detok.stopped:
+                self.finish = "stop"
+                break
+            if len(self.tokens) >= self.budget:
+                self.finish = "length"
+                break
+        return self.done
+
+    def close(self) -> str:
+        tail = self.detok.flush()
+        if self.on_text and tail:
+            self.on_text(tail)
+        return self.detok.text

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from moaspec.chat import check_fits
-from moaspec.decoding.detokenize import Detokenizer
-from moaspec.decoding.generation import GenerationConfig, GenerationResult, TextCallback
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, TextCallback, TokenSink
 from moaspec.decoding.sampling import select_token
 from moaspec.models.transformer import Transformer
 
@@ -38,39 +37,20 @@ def generate(
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
     budget = min(config.max_new_tokens, context - len(prompt_ids))
-    eos = set() if config.ignore_eos else stop_token_ids(model, tokenizer)
+    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text)
     gen = config.sampling.generator(model.device)
-    detok = Detokenizer(tokenizer, config.stop)
     cache = model.new_cache(len(prompt_ids) + budget)
-
     t0 = time.perf_counter()
     prompt = torch.tensor([list(prompt_ids)], device=model.device)
     logits = model(prompt, cache, logits_at=slice(-1, None)).logits[0, -1]
     prefill_s = time.perf_counter() - t0
-    tokens: list[int] = []
-    finish = "length"
     calls = 0
-    while True:
-        tok = select_token(logits, config.sampling, gen)
-        if tok in eos:
-            finish = "eos"
-            break
-        tokens.append(tok)
-        text = detok.push([tok])
-        if on_text and text:
-            on_text(text)
-        if detok.stopped:
-            finish = "stop"
-            break
-        if len(tokens) >= budget:
-            break
-        logits = model(torch.tensor([[tok]], device=model.device), cache).logits[0, -1]
+    while not sink.push([select_token(logits, config.sampling, gen)]):
+        logits = model(torch.tensor([[sink.tokens[-1]]], device=model.device), cache).logits[0, -1]
         calls += 1
-    tail = detok.flush()
-    if on_text and tail:
-        on_text(tail)
+    text = sink.close()
     return GenerationResult(
-        token_ids=tokens, text=detok.text, finish_reason=finish, prompt_tokens=len(prompt_ids),
+        token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
         prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=calls,
         accepted_lengths=[1] * calls,
     )

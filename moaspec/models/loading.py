@@ -31,6 +31,11 @@ class LoadedModel:
     cfg: ModelConfig
     path: Path
 
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the weights (see :func:`fingerprint`)."""
+        return self.model.fingerprint
+
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,6 +103,8 @@ def build_transformer(
     qkv_bias = "blocks.0.attn.qkv.bias" in state
     with torch.device("meta"):
         model = Transformer(cfg, qkv_bias=qkv_bias)
+    tied = {"lm_head.weight": state["embed.weight"]} if cfg.tie_word_embeddings else {}
+    weights_id = fingerprint(cfg, {**state, **tied})
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     try:
         model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
@@ -109,17 +116,20 @@ def build_transformer(
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model.eval().requires_grad_(False)
     pack_linears(model)
+    model.fingerprint = weights_id
     return model
 
 
-def fingerprint(model: Transformer) -> str:
-    """A short hash of the architecture and a sample of every weight tensor.
+def fingerprint(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
+    """A short hash of the architecture and a sample of every weight tensor, as stored.
 
     Identifies a target cheaply (milliseconds): drafters and distillation data record
-    it, so that they are never used with a model they were not made for.
+    it, so that they are never used with a model they were not made for. It is taken
+    from the weights as read from disk, before any cast, so the same model loaded in
+    fp32 on a CPU or in bf16 on a GPU has the same fingerprint.
     """
-    h = hashlib.sha256(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
-    for name, t in sorted(model.state_dict().items()):
+    h = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode())
+    for name, t in sorted(state.items()):
         flat = t.detach().reshape(-1)
         step = max(1, flat.numel() // 4096)
         h.update(name.encode())

@@ -116,6 +116,8 @@ class ForwardOutput:
 class Transformer(nn.Module):
     """A Llama/Qwen2/Mistral decoder with explicit positions, masks and cache control."""
 
+    fingerprint: str = ""  # identity of the weights it was loaded from (set by the loader)
+
     def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
         super().__init__()
         self.cfg = cfg

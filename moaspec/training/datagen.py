@@ -30,7 +30,7 @@ from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
-from moaspec.models.loading import LoadedModel, fingerprint
+from moaspec.models.loading import LoadedModel
 
 # System messages that steer the model towards a task family when it writes a user prompt.
 TASKS: dict[str, str] = {
@@ -195,7 +195,7 @@ def generate_dataset(model: LoadedModel, out: Path, cfg: DataConfig, progress: b
     """Fill ``out`` with shards until ``cfg.examples`` records exist; resume where a previous run stopped."""
     from tqdm import tqdm
 
-    identity = {"model": fingerprint(model.model), "config": {k: v for k, v in asdict(cfg).items() if k != "examples"}}
+    identity = {"model": model.fingerprint, "config": {k: v for k, v in asdict(cfg).items() if k != "examples"}}
     writer = DataWriter(out, identity)
     bar = tqdm(total=cfg.examples, initial=min(writer.records, cfg.examples), unit="turn", disable=not progress,
                desc="moaspec data")

@@ -1,0 +1,37 @@
+"""The narrow interface between "propose candidates" and "verify them".
+
+A proposer sees the verified token sequence and the target's cache (read-only, except
+for the positions beyond the verified length, which the next verification overwrites)
+and proposes draft tokens with the distribution each was drawn from. The decoding loop
+verifies them and tells the proposer how much was kept. Any drafter that fits these
+three calls plugs into every decoding loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.models.kv_cache import KVCache
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [T] target token ids
+    probs: torch.Tensor | None  # [T, V] the distributions they were drawn from (None when greedy)
+
+
+class Proposer(Protocol):
+    def begin(self, target_cache: KVCache, capacity: int) -> None:
+        """A new sequence: the target has just prefilled its prompt into ``target_cache``."""
+
+    def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        """Draft ``n`` tokens after ``tokens`` (verified tokens, ending with the target's newest one)."""
+
+    def commit(self, verified: int) -> None:
+        """The first ``verified`` tokens are now verified and in the target's cache; forget the rest."""

@@ -1,0 +1,60 @@
+"""Verification of drafts against the target: pure functions, tested alone (as vLLM keeps its rejection sampler).
+
+Each takes the drafted tokens and the target's scores for every drafted position
+plus one, and returns how many drafts are accepted and the token the target adds
+after them (the correction, or the bonus token when all drafts pass). No state, no
+model: the decoding loop owns caches and bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.decoding.sampling import sample
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # leading drafts the target keeps
+    next_token: int  # the target's own token after them
+
+
+def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    """Keep drafts while each equals the target's argmax; ``target_logits`` is ``[T+1, V]`` for ``T`` drafts.
+
+    Row ``i`` scores the position of draft ``i`` (the target's view after the tokens
+    before it); row ``T`` gives the bonus token when every draft is accepted.
+    """
+    best = target_logits.argmax(dim=-1)
+    T = draft.shape[0]
+    miss = (best[:T] != draft).nonzero()
+    k = int(miss[0]) if miss.numel() else T
+    return Verdict(k, int(best[k]))
+
+
+def verify_sampling(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                    generator: torch.Generator | None) -> Verdict:
+    """Speculative sampling for a chain (Leviathan et al. 2023; Chen et al. 2023).
+
+    Draft ``i`` (drawn from ``draft_probs[i]``) is accepted with probability
+    ``min(1, p(x)/q(x))``; at the first rejection the token is drawn from the
+    normalised residual ``max(0, p − q)``; if all pass, the bonus token is drawn from
+    ``target_probs[T]``. The output then follows the target's distribution exactly,
+    whatever the drafter proposes. ``draft_probs`` ``[T, V]``, ``target_probs`` ``[T+1, V]``.
+    """
+    T = draft.shape[0]
+    idx = torch.arange(T, device=draft.device)
+    p = target_probs[idx, draft]
+    q = draft_probs[idx, draft]
+    u = torch.rand(T, generator=generator, device=draft.device) if T else p
+    ok = (q > 0) & (u * q <= p)  # u < p/q without dividing by zero
+    miss = (~ok).nonzero()
+    k = int(miss[0]) if miss.numel() else T
+    if k == T:
+        return Verdict(T, int(sample(target_probs[T], generator)))
+    residual = (target_probs[k] - draft_probs[k]).clamp_min(0)
+    total = residual.sum()
+    dist = residual / total if total > 0 else target_probs[k]
+    return Verdict(k, int(sample(dist, generator)))

@@ -1,0 +1,127 @@
+"""Drafter checkpoints: ``model.safetensors`` + ``config.json`` in one directory, written atomically.
+
+The JSON holds the drafter's kind and architecture (including N and the draft
+vocabulary size; the vocabulary itself is a tensor in the safetensors file), the
+identity of the target it was trained for (name, shapes and a fingerprint of its
+weights), and a free-form training summary. Loading refuses a target whose
+fingerprint differs: a drafter is only useful for the model it learnt from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.errors import MoaspecError
+from moaspec.models.loading import LoadedModel
+
+FORMAT = "moaspec-drafter"
+VERSION = 1
+
+
+class DrafterError(MoaspecError):
+    """A drafter checkpoint is missing, malformed, or made for another target."""
+
+
+def target_identity(target: LoadedModel) -> dict[str, Any]:
+    cfg = target.cfg
+    return {
+        "name": target.path.name, "fingerprint": target.fingerprint, "family": cfg.family,
+        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+    }
+
+
+def save_drafter(drafter: MoADrafter, path: str | Path, target: dict[str, Any], training: dict[str, Any] | None = None,
+                 dtype: torch.dtype = torch.float16) -> Path:
+    """Write the drafter's own weights (cast to ``dtype``) and its JSON description to ``path``.
+
+    The directory appears complete or not at all: it is assembled beside ``path`` and
+    renamed into place, replacing an older checkpoint.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+                 for k, v in drafter.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"))
+        meta = {"format": FORMAT, "version": VERSION, "kind": "moa", "config": drafter.cfg.to_dict(),
+                "target": target, "training": training or {}}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=1))
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir() or not cfg_file.is_file():
+        raise DrafterError(f"{path} is not a drafter checkpoint (no config.json)")
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise DrafterError(f"{cfg_file} is not valid JSON ({exc.msg})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DrafterError(f"{path} is not a moaspec drafter checkpoint")
+    if meta.get("version") != VERSION:
+        raise DrafterError(f"{path} has checkpoint version {meta.get('version')}; this moaspec reads version {VERSION}")
+    return meta
+
+
+def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
+    want = meta.get("target", {})
+    if want.get("fingerprint") != target.fingerprint:
+        raise DrafterError(
+            f"the drafter {path} was trained for target {want.get('name', '?')} (fingerprint "
+            f"{want.get('fingerprint', '?')}), but the target loaded is {target.path.name} (fingerprint "
+            f"{target.fingerprint}); train a drafter for this target with `moaspec train`"
+        )
+
+
+def load_drafter(path: str | Path, target: LoadedModel) -> MoADrafter:
+    """Load a drafter for ``target`` (refusing one made for another target), attached and in eval mode."""
+    path = Path(path)
+    meta = read_meta(path)
+    check_target(meta, target, path)
+    if meta.get("kind") != "moa":
+        raise DrafterError(f"{path} holds a {meta.get('kind')!r} drafter; expected 'moa'")
+    try:
+        cfg = MoAConfig.from_dict(meta["config"])
+        cfg.check_target(target.cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DrafterError(f"{path} has an invalid drafter config: {exc}") from None
+    try:
+        state = load_file(str(path / "model.safetensors"))
+    except (SafetensorError, OSError) as exc:
+        raise DrafterError(f"cannot read {path / 'model.safetensors'}: {exc}") from None
+    model = target.model
+    drafter = MoADrafter(cfg).to(device=model.device, dtype=model.dtype)
+    expected = drafter.state_dict()
+    for k, v in state.items():
+        if k in expected and v.is_floating_point():
+            state[k] = v.to(expected[k].dtype)
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise DrafterError(f"{path} does not match its own config: {str(exc).splitlines()[0]}") from None
+    drafter.attach(model)
+    drafter.requires_grad_(False)
+    return drafter.eval()

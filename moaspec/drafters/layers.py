@@ -1,0 +1,107 @@
+"""Decoder layers for drafters: self-attention and cross-attention blocks with RoPE and GQA.
+
+The target's blocks read and write one fixed cache layout; a drafter needs more
+freedom — attention whose keys come from another sequence (Cross-Attention onto
+verified target states), rotary positions that are layer indices (Layer
+Self-Attention) or token positions, and small caches of its own. So queries and
+keys/values are projected separately: ``keys_values`` turns any source sequence
+into rotated keys and values, and ``attend`` runs the queries of ``x`` on them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moaspec.models.packed_linear import Linear
+from moaspec.models.transformer import apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+class DraftAttention(nn.Module):
+    """Multi-head attention with grouped KV heads whose keys/values may come from another sequence."""
+
+    def __init__(self, dim: int, source_dim: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q = Linear(dim, heads * head_dim, bias=False)
+        self.kv = Linear(source_dim, 2 * kv_heads * head_dim, bias=False)
+        self.o = Linear(heads * head_dim, dim, bias=False)
+
+    def keys_values(self, source: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values ``[B, kv_heads, T, head_dim]`` of ``source`` ``[B, T, source_dim]``."""
+        B, T, _ = source.shape
+        k, v = self.kv(source).view(B, T, 2, self.kv_heads, self.head_dim).transpose(1, 3).unbind(2)
+        return apply_rope(k, cos, sin), v
+
+    def attend(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Queries of ``x`` ``[B, T, dim]`` (rotated by ``cos/sin``) over ``k/v``; ``mask`` bool ``[.., T, S]``."""
+        B, T, _ = x.shape
+        q = apply_rope(self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.gate_up = Linear(dim, 2 * width, bias=False)
+        self.down = Linear(width, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.width, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP; ``source_dim`` ≠ ``dim`` makes it a cross-attention layer."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp_width: int, eps: float,
+                 source_dim: int | None = None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(dim, eps)
+        self.attn = DraftAttention(dim, source_dim or dim, heads, kv_heads, head_dim)
+        self.mlp_norm = RMSNorm(dim, eps)
+        self.mlp = MLP(dim, mlp_width)
+
+    def self_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    ) -> torch.Tensor:
+        """``x`` attends to itself; with ``cache = (keys, values, start)`` its K/V are written at ``start``
+        and the queries see every cached position before them (``mask`` then covers ``start + T`` keys)."""
+        h = self.attn_norm(x)
+        k, v = self.attn.keys_values(h, cos, sin)
+        if cache is not None:
+            k_buf, v_buf, start = cache
+            end = start + x.shape[1]
+            k_buf[:, :, start:end], v_buf[:, :, start:end] = k, v
+            k, v = k_buf[:, :, :end], v_buf[:, :, :end]
+        x = x + self.attn.attend(h, cos, sin, k, v, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def cross_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x`` attends to keys/values made by :meth:`DraftAttention.keys_values` from another sequence."""
+        x = x + self.attn.attend(self.attn_norm(x), cos, sin, k, v, mask)
+        return x + self.mlp(self.mlp_norm(x))

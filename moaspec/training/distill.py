@@ -1,0 +1,153 @@
+"""One distillation step's arithmetic: target features, T-step-bounded masks, drafter loss, acceptance.
+
+Kept apart from the training loop (:mod:`moaspec.training.trainer`) so that it can be
+read — and tested — on its own: given a batch of sequences, the frozen target
+produces every layer's K/V (the LSA input), its final hidden states and, with Target
+Layer Inference, its states after layer L−N; the drafter predicts them under the
+masks that imitate inference; the loss compares the two on response positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moaspec.drafters.moa import MoADrafter
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.transformer import Transformer
+from moaspec.training.dataset import Batch
+from moaspec.training.losses import LossParts, distillation_loss
+from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
+
+
+@dataclass
+class TargetOut:
+    token_kv: torch.Tensor  # [B, S, L, kv_width]
+    final: torch.Tensor  # [B, S, d], after the final norm
+    layer: torch.Tensor | None  # [B, S, d] after layer L−N (N > 0)
+    cache: KVCache  # every layer's K/V, for TLI's true states
+
+
+def target_pass(target: Transformer, tokens: torch.Tensor, tli_layers: int) -> TargetOut:
+    """Run the frozen target once over right-padded sequences (padding sits after every real token)."""
+    B, S = tokens.shape
+    cache = target.new_cache(S, B)
+    split = target.cfg.num_layers - tli_layers
+    out = target(tokens, cache, logits_at=slice(0, 0), hidden_after=(split,) if tli_layers else ())
+    with torch.no_grad():  # outside inference mode: plain tensors that autograd may save
+        token_kv = cache.token_kv(0, S).clone()
+        final = out.hidden.clone()
+        layer = out.layer_hidden[split].clone() if tli_layers else None
+    return TargetOut(token_kv, final, layer, cache)
+
+
+@dataclass
+class Masks:
+    sa: torch.Tensor  # [B, S, S]
+    ca: torch.Tensor  # [B, S, S]
+    starts: torch.Tensor  # [B, S] segment start of each position
+    loss: torch.Tensor  # [B, S] response positions of real tokens
+
+
+def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor, lo: int = 5, hi: int = 15) -> Masks:
+    """Per-sequence masks padded to the batch; padding rows see position 0 so that no row is empty."""
+    B, S = batch.tokens.shape
+    sa = torch.zeros(B, S, S, dtype=torch.bool)
+    ca = torch.zeros(B, S, S, dtype=torch.bool)
+    starts = torch.zeros(B, S, dtype=torch.long)
+    loss = torch.zeros(B, S, dtype=torch.bool)
+    for b in range(B):
+        n, p = int(batch.lengths[b]), int(batch.prompt_lens[b])
+        st = segment_starts(p, n, generator, lo, hi)
+        sa[b, :n, :n] = self_attention_mask(st, bool(local_sa[b]))
+        ca[b, :n, :n] = cross_attention_mask(st, p)
+        starts[b, :n] = st
+        loss[b, p:n] = True
+    sa[:, :, 0] |= ~sa.any(-1)
+    ca[:, :, 0] |= ~ca.any(-1)
+    return Masks(sa, ca, starts, loss)
+
+
+def tli_mask(masks: Masks, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, S, 2S]`` for TLI in training: true states before each position's segment start, predicted ones after.
+
+    Keys ``0..S-1`` are the target's true K/V of the last N layers, keys ``S..2S-1``
+    the ones computed from the drafter's predictions — as at inference, where the
+    target's cache holds verified positions and the drafter writes drafted ones.
+    Prompt positions see true states before themselves and their own prediction.
+    """
+    B, S = masks.starts.shape
+    pos = torch.arange(S)
+    limit = torch.where(masks.loss, masks.starts, pos[None, :].expand(B, S))  # [B, S]
+    true_part = pos[None, None, :] < limit[:, :, None]
+    pred_part = (pos[None, None, :] >= limit[:, :, None]) & (pos[None, None, :] <= pos[None, :, None])
+    real = pos[None, :] < lengths[:, None]
+    return torch.cat([true_part & real[:, None, :], pred_part & real[:, None, :]], dim=-1)
+
+
+@dataclass
+class StepOut:
+    loss: LossParts
+    draft_logits: torch.Tensor  # [n, K] at loss positions
+    target_logits: torch.Tensor  # [n, K]
+
+
+def drafter_loss(drafter: MoADrafter, target: Transformer, batch: Batch, masks: Masks, tgt: TargetOut,
+                 wrapped: torch.nn.Module | None = None) -> StepOut:
+    """The paper's loss on response positions; with N > 0 the feature term averages both states.
+
+    ``wrapped`` is the drafter as the training framework wrapped it (DDP): its forward
+    must be the one called so that gradients are synchronised.
+    """
+    device = tgt.final.device
+    pred = (wrapped or drafter)(batch.tokens.to(device), tgt.token_kv, masks.sa.to(device), masks.ca.to(device))
+    sel = masks.loss.to(device)
+    N = drafter.cfg.tli_layers
+    if N:
+        B, S = batch.tokens.shape
+        L = target.cfg.num_layers
+        cache = KVCache(N, target.cfg.num_kv_heads, target.cfg.head_dim, 2 * S, B, pred.dtype, device)
+        cache.keys[:, :, :, :S] = tgt.cache.keys[L - N :, :, :, :S]
+        cache.values[:, :, :, :S] = tgt.cache.values[L - N :, :, :, :S]
+        cache.length = S
+        final = drafter.run_tli(pred, cache, torch.arange(S, device=device), tli_mask(masks, batch.lengths).to(device),
+                                cache_layer_offset=L - N)
+        draft_feats, target_feats = [final[sel], pred[sel]], [tgt.final[sel], tgt.layer[sel]]
+    else:
+        final = pred
+        draft_feats, target_feats = [final[sel]], [tgt.final[sel]]
+    draft_logits = drafter.head(draft_feats[0])
+    with torch.no_grad():
+        target_logits = drafter.head(target_feats[0])
+    return StepOut(distillation_loss(target_logits, draft_logits, target_feats, draft_feats), draft_logits, target_logits)
+
+
+def acceptance_by_offset(draft_logits: torch.Tensor, target_full_argmax: torch.Tensor, to_target_ids, masks: Masks,
+                         depth: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced chain acceptance: per segment, how many leading drafts (up to ``depth``) match the target.
+
+    Returns (sum of accepted lengths, number of segments) so that callers can
+    aggregate over batches and processes. ``target_full_argmax`` is the target's greedy
+    token over its whole vocabulary: a token outside the draft vocabulary is a miss.
+    """
+    match = (to_target_ids(draft_logits.argmax(-1)) == target_full_argmax).cpu()
+    starts = masks.starts[masks.loss]
+    pos = torch.nonzero(masks.loss)[:, 1]
+    batch_idx = torch.nonzero(masks.loss)[:, 0]
+    offset = pos - starts
+    key = batch_idx * (masks.starts.shape[1] + 1) + starts
+    segments = torch.unique(key)
+    total = torch.zeros(())
+    for s in segments.tolist():
+        in_seg = key == s
+        m = match[in_seg][offset[in_seg].argsort()][:depth]
+        run = int(m.long().cumprod(0).sum())
+        total += run
+    return total, torch.tensor(float(len(segments)))
+
+
+def full_argmax(target: Transformer, final: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return F.linear(final, target.lm_head.weight).argmax(-1)

@@ -1,0 +1,160 @@
+"""The MoA drafter: training and inference paths agree, sizes, checkpoints, refusal of a foreign target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moaspec.drafters.checkpoint import DrafterError, load_drafter, save_drafter, target_identity
+from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.models.config import ModelConfig
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.transformer import Transformer
+from moaspec.training.dataset import Batch
+from moaspec.training.distill import Masks, build_masks, tli_mask
+from moaspec.training.masks import cross_attention_mask, segment_starts
+
+
+def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0) -> MoADrafter:  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab))
+    if vocab:
+        d.set_draft_vocab(torch.randperm(loaded.cfg.vocab_size)[:vocab].sort().values)
+    d.attach(loaded.model)
+    return d.eval()
+
+
+@pytest.mark.parametrize("tli", [0, 1, 2])
+def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int) -> None:  # type: ignore[no-untyped-def]
+    """Drafting after a verification at position p sees exactly what training shows a segment starting at p."""
+    drafter = make_drafter(tiny_llama, tli=tli, vocab=64)
+    target = tiny_llama.model
+    S, p = 24, 9
+    tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
+    cache = target.new_cache(S)
+    target(tokens, cache)
+    starts = torch.zeros(S, dtype=torch.long)
+    starts[p:] = p  # one segment: every response position sees memory < p
+    batch = Batch(tokens, torch.tensor([S]), torch.tensor([p]))
+    masks = Masks(sa=torch.ones(S, S, dtype=torch.bool).tril()[None], ca=cross_attention_mask(starts, p)[None],
+                  starts=starts[None], loss=(torch.arange(S) >= p)[None])
+    with torch.no_grad():
+        pred = drafter(tokens, cache.token_kv(0, S), masks.sa, masks.ca)
+        if tli:
+            L = tiny_llama.cfg.num_layers
+            tc = KVCache(tli, tiny_llama.cfg.num_kv_heads, tiny_llama.cfg.head_dim, 2 * S)
+            tc.keys[:, :, :, :S], tc.values[:, :, :, :S] = cache.keys[L - tli :], cache.values[L - tli :]
+            tc.length = S
+            pred = drafter.run_tli(pred, tc, torch.arange(S), tli_mask(masks, batch.lengths), cache_layer_offset=L - tli)
+        trained = drafter.head(pred[:, p:])
+
+    state = drafter.new_state(64)
+    drafter.observe(state, cache, p)
+    cache.truncate(p)  # the drafter writes its own TLI states from p on
+    # all at once (the prompt plus its first outputs), then one token at a time, as chain drafting does
+    first = drafter.step(state, tokens[:, : p + 1], torch.arange(p + 1), None, outputs=1, target_cache=cache)
+    outs = [first]
+    for j in range(p + 1, S):
+        cache.length = j if tli else cache.length
+        outs.append(drafter.step(state, tokens[:, j : j + 1], torch.tensor([j]), None, outputs=1, target_cache=cache,
+                                 tli_mask=torch.ones(1, j + 1, dtype=torch.bool)))
+    steps = torch.cat(outs, dim=1)
+    torch.testing.assert_close(steps, trained, atol=1e-4, rtol=1e-4)
+
+
+def test_memory_grows_only_with_verified_tokens(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    drafter = make_drafter(tiny_llama)
+    cache = tiny_llama.model.new_cache(32)
+    tiny_llama.model(torch.arange(10)[None] + 5, cache)
+    state = drafter.new_state(32)
+    drafter.observe(state, cache, 6)
+    assert state.memory.length == 6
+    before = state.memory.keys[0, :, :, :6].clone()
+    drafter.observe(state, cache, 10)
+    assert state.memory.length == 10
+    torch.testing.assert_close(state.memory.keys[0, :, :, :6], before)  # append-only: old entries untouched
+    drafter.observe(state, cache, 8)  # nothing to forget
+    assert state.memory.length == 10
+
+
+def test_default_drafter_is_under_ten_percent_of_smollm2() -> None:
+    """Parameter budget for the shipped configuration, counted on the real architecture (no weights needed)."""
+    cfg = ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                      max_position_embeddings=8192, tie_word_embeddings=True)
+    with torch.device("meta"):
+        target = Transformer(cfg)
+        drafter = MoADrafter(MoAConfig.for_target(cfg, draft_vocab_size=8192))
+    target_params = sum(p.numel() for p in target.parameters())
+    assert 134_000_000 < target_params < 135_000_000
+    assert drafter.own_parameters() <= 0.10 * target_params
+    assert drafter.cfg.target_kv_width == 384  # one layer token = K and V of 3 heads of 64
+
+
+def test_checkpoint_round_trip(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    drafter = make_drafter(tiny_llama, tli=1, vocab=100)
+    path = save_drafter(drafter, tmp_path / "d", target_identity(tiny_llama), {"steps": 3}, dtype=torch.float32)
+    meta = json.loads((path / "config.json").read_text())
+    assert meta["config"]["tli_layers"] == 1 and meta["config"]["draft_vocab_size"] == 100
+    assert meta["target"]["fingerprint"] == tiny_llama.fingerprint and meta["training"] == {"steps": 3}
+    loaded = load_drafter(path, tiny_llama)
+    torch.testing.assert_close(loaded.draft_vocab, drafter.draft_vocab)
+    for (k, a), (_, b) in zip(sorted(loaded.state_dict().items()), sorted(drafter.state_dict().items())):
+        torch.testing.assert_close(a, b, msg=k)
+    assert not list(tmp_path.glob(".d.*")), "no temporary directory left behind"
+
+
+def test_fp16_checkpoint_is_half_the_size_and_close(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    drafter = make_drafter(tiny_llama)
+    full = save_drafter(drafter, tmp_path / "f32", target_identity(tiny_llama), dtype=torch.float32)
+    half = save_drafter(drafter, tmp_path / "f16", target_identity(tiny_llama))
+    assert (half / "model.safetensors").stat().st_size < 0.6 * (full / "model.safetensors").stat().st_size
+    back = load_drafter(half, tiny_llama)
+    torch.testing.assert_close(back.sa.mlp.down.weight, drafter.sa.mlp.down.weight, atol=1e-3, rtol=1e-3)
+
+
+def test_refuses_a_drafter_for_another_target(tiny_llama, tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.models import load_model_dir
+    from tiny import make_tiny_model
+
+    path = save_drafter(make_drafter(tiny_llama), tmp_path / "d", target_identity(tiny_llama))
+    same_shape_other_weights = load_model_dir(make_tiny_model(tmp_path / "other", "llama", seed=7), device="cpu")
+    with pytest.raises(DrafterError, match="was trained for target .*fingerprint"):
+        load_drafter(path, same_shape_other_weights)
+    with pytest.raises(DrafterError, match="trained for target"):
+        load_drafter(path, load_model_dir(tiny_dirs["qwen2"], device="cpu"))
+
+
+@pytest.mark.parametrize("damage", ["missing", "not-json", "wrong-format", "no-weights", "bad-config"])
+def test_broken_checkpoints_give_clear_errors(tiny_llama, tmp_path: Path, damage: str) -> None:  # type: ignore[no-untyped-def]
+    path = save_drafter(make_drafter(tiny_llama), tmp_path / "d", target_identity(tiny_llama))
+    cfg = path / "config.json"
+    if damage == "missing":
+        path = tmp_path / "nowhere"
+    elif damage == "not-json":
+        cfg.write_text("{oops")
+    elif damage == "wrong-format":
+        cfg.write_text(json.dumps({"format": "something-else"}))
+    elif damage == "no-weights":
+        (path / "model.safetensors").unlink()
+    else:
+        meta = json.loads(cfg.read_text())
+        meta["config"]["bogus"] = 1
+        cfg.write_text(json.dumps(meta))
+    with pytest.raises(DrafterError):
+        load_drafter(path, tiny_llama)
+
+
+def test_training_masks_leave_no_row_empty() -> None:
+    g = torch.Generator().manual_seed(0)
+    batch = Batch(torch.zeros(2, 30, dtype=torch.long), torch.tensor([30, 17]), torch.tensor([6, 4]))
+    masks = build_masks(batch, g, torch.tensor([True, False]))
+    assert masks.sa.any(-1).all() and masks.ca.any(-1).all()
+    assert int(masks.loss[0].sum()) == 24 and int(masks.loss[1].sum()) == 13
+    st = segment_starts(6, 30, torch.Generator().manual_seed(0))
+    assert torch.equal(masks.starts[0], st)  # same generator stream: the first row's segmentation
+    tm = tli_mask(masks, batch.lengths)
+    assert tm.shape == (2, 30, 60) and tm.any(-1).all()

@@ -1,0 +1,143 @@
+"""Chain speculative decoding: greedy output identical to vanilla, sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from moaspec.decoding import GenerationConfig, SamplingParams, generate
+from moaspec.decoding.proposer import Proposal
+from moaspec.decoding.sampling import probabilities, sample
+from moaspec.decoding.speculative import generate_chain
+from moaspec.decoding.verify import verify_greedy, verify_sampling
+from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.drafters.moa_proposer import MoAProposer
+from moaspec.models.kv_cache import KVCache
+
+
+class OracleProposer:
+    """Drafts with the target itself (its own cache): every greedy draft is right."""
+
+    def __init__(self, model, corrupt_every: int = 0) -> None:  # type: ignore[no-untyped-def]
+        self.model, self.corrupt_every, self.count = model, corrupt_every, 0
+
+    def begin(self, target_cache: KVCache, capacity: int) -> None:
+        self.cache = self.model.new_cache(capacity + 8)
+
+    def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams, generator) -> Proposal:  # type: ignore[no-untyped-def]
+        self.cache.reset()
+        seq = list(tokens)
+        out = []
+        for _ in range(n):
+            logits = self.model(torch.tensor([seq]), self.model.new_cache(len(seq))).logits[0, -1]
+            tok = int(logits.argmax())
+            self.count += 1
+            if self.corrupt_every and self.count % self.corrupt_every == 0:
+                tok = (tok + 1) % logits.shape[-1]
+            out.append(tok)
+            seq.append(tok)
+        return Proposal(torch.tensor(out, dtype=torch.long), None)
+
+    def commit(self, verified: int) -> None:
+        pass
+
+
+def moa_proposer(loaded, tli: int = 0, vocab: int = 0) -> MoAProposer:  # type: ignore[no-untyped-def]
+    torch.manual_seed(3)
+    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab))
+    if vocab:
+        d.set_draft_vocab(torch.arange(vocab))
+    d.attach(loaded.model)
+    return MoAProposer(d.eval())
+
+
+PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
+
+
+@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab"])
+@pytest.mark.parametrize("draft_len", [1, 4, 7])
+def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for prompt in PROMPTS:
+        proposer = {
+            "oracle": lambda: OracleProposer(model), "oracle-corrupt": lambda: OracleProposer(model, corrupt_every=3),
+            "moa": lambda: moa_proposer(tiny_llama), "moa-tli1": lambda: moa_proposer(tiny_llama, tli=1),
+            "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100),
+        }[kind]()
+        want = generate(model, tok, prompt, cfg)
+        got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason
+        assert sum(got.accepted_lengths) >= len(got.token_ids) - 1
+        if kind == "oracle":
+            assert got.tau > min(draft_len, 3)  # all drafts accepted except at the budget's end
+
+
+def test_chain_stops_on_eos_and_budget_like_vanilla(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    for budget in (1, 2, 5, 13):
+        cfg = GenerationConfig(max_new_tokens=budget)
+        want = generate(model, tok, PROMPTS[0], cfg)
+        got = generate_chain(model, tok, OracleProposer(model), PROMPTS[0], cfg, draft_len=6)
+        assert (got.token_ids, got.finish_reason, got.text) == (want.token_ids, want.finish_reason, want.text)
+
+
+def test_verify_greedy_cases() -> None:
+    logits = torch.full((4, 10), -1.0)
+    for i, t in enumerate([3, 4, 5, 6]):
+        logits[i, t] = 1.0
+    assert verify_greedy(torch.tensor([3, 4, 5]), logits) == verify_greedy(torch.tensor([3, 4, 5]), logits)
+    assert verify_greedy(torch.tensor([3, 4, 5]), logits).accepted == 3
+    assert verify_greedy(torch.tensor([3, 4, 5]), logits).next_token == 6
+    assert (verify_greedy(torch.tensor([3, 9, 5]), logits).accepted, verify_greedy(torch.tensor([3, 9, 5]), logits).next_token) == (1, 4)
+    assert verify_greedy(torch.tensor([], dtype=torch.long), logits[:1]).next_token == 3
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    expected = probs[keep].double() / probs[keep].double().sum() * counts.sum().double()
+    return float(chisquare(counts[keep].double().numpy(), expected.numpy()).pvalue)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_verify_sampling_keeps_the_target_distribution(seed: int) -> None:
+    """Over many draws, the token emitted at the first draft position follows p exactly, whatever q is."""
+    g = torch.Generator().manual_seed(seed)
+    V, T, n = 6, 3, 40_000
+    p = torch.softmax(torch.randn(T + 1, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(T, V, generator=g) * 1.5, -1)
+    q[0, 2] = 0.0  # the drafter can never propose token 2: the residual must supply it
+    q = q / q.sum(-1, keepdim=True)
+    first = torch.zeros(V)
+    second_given_accept = torch.zeros(V)
+    for _ in range(n):
+        draft = sample(q, g)
+        v = verify_sampling(draft, q, p, g)
+        tok0 = int(draft[0]) if v.accepted >= 1 else v.next_token
+        first[tok0] += 1
+        if v.accepted >= 1 and int(draft[0]) == 0:
+            second_given_accept[int(draft[1]) if v.accepted >= 2 else v.next_token] += 1
+    assert chi_square_p(first, p[0]) > 1e-3
+    assert chi_square_p(second_given_accept, p[1]) > 1e-3
+
+
+def test_verify_sampling_with_one_hot_distributions_is_greedy() -> None:
+    p = probabilities(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]]), SamplingParams())
+    q = torch.nn.functional.one_hot(torch.tensor([1]), 3).float()
+    assert verify_sampling(torch.tensor([1]), q, p, None).accepted == 1
+    assert verify_sampling(torch.tensor([1]), q, p, None).next_token == 0
+
+
+@pytest.mark.parametrize("kind", ["moa", "moa-vocab"])
+def test_sampled_chain_runs_and_is_reproducible(tiny_llama, kind: str) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=5))
+    a = generate_chain(model, tok, moa_proposer(tiny_llama, vocab=100 if kind == "moa-vocab" else 0), PROMPTS[1], cfg)
+    b = generate_chain(model, tok, moa_proposer(tiny_llama, vocab=100 if kind == "moa-vocab" else 0), PROMPTS[1], cfg)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 30
