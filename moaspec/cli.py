@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from moaspec.errors import MoaspecError
 
 EXIT_USAGE = 2
+DRAFT_COLOUR, RESET = "\033[36m", "\033[0m"
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--messages", default=None, help="JSON file with a list of {role, content} messages (multi-turn)")
     g.add_argument("--raw", action="store_true", help="plain completion of the prompt text, no chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, timings) instead of streaming")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, tau, timings) instead of streaming")
+    g.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the one shipped for the target)")
+    g.add_argument("--no-draft", action="store_true", help="plain decoding, one target forward per token")
+    g.add_argument("--chain", type=int, default=6, metavar="T", help="draft T tokens per target forward (default 6)")
+    g.add_argument("--show-drafts", action="store_true", help="colour the text that came from accepted drafts")
     _add_model_options(g)
     _add_generation_options(g)
 
@@ -129,7 +134,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = generate(loaded.model, loaded.tokenizer, ids, config, on_text=None if args.json else stream)
+    def coloured(text: str, drafted: bool) -> None:
+        stream(f"{DRAFT_COLOUR}{text}{RESET}" if drafted else text)
+
+    drafter = None
+    if not args.no_draft:
+        from moaspec.drafters import load_drafter, shipped_drafter
+
+        if args.chain < 1:
+            raise MoaspecError("--chain must be >= 1")
+        path = args.drafter or shipped_drafter(loaded)
+        if path is None:
+            print(f"moaspec: no drafter ships for {loaded.path.name}; decoding without drafts "
+                  "(train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
+        else:
+            drafter = load_drafter(path, loaded)
+    if drafter is None:
+        result = generate(loaded.model, loaded.tokenizer, ids, config, on_text=None if args.json else stream)
+    else:
+        from moaspec.decoding.speculative import generate_chain
+        from moaspec.drafters.moa_proposer import MoAProposer
+
+        if args.show_drafts and not args.json:
+            print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)
+        result = generate_chain(loaded.model, loaded.tokenizer, MoAProposer(drafter), ids, config, draft_len=args.chain,
+                                on_text=None if args.json else stream,
+                                on_piece=coloured if args.show_drafts and not args.json else None)
     if args.json:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:

@@ -23,8 +23,8 @@ class OracleProposer:
     def __init__(self, model, corrupt_every: int = 0) -> None:  # type: ignore[no-untyped-def]
         self.model, self.corrupt_every, self.count = model, corrupt_every, 0
 
-    def begin(self, target_cache: KVCache, capacity: int) -> None:
-        self.cache = self.model.new_cache(capacity + 8)
+    def begin(self, target_cache: KVCache) -> None:
+        self.cache = self.model.new_cache(target_cache.capacity + 8)
 
     def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams, generator) -> Proposal:  # type: ignore[no-untyped-def]
         self.cache.reset()

@@ -10,6 +10,7 @@ from moaspec.decoding.sampling import SamplingParams
 from moaspec.errors import MoaspecError
 
 TextCallback = Callable[[str], None]
+PieceCallback = Callable[[str, bool], None]  # (text, whether it came from accepted drafts)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ class GenerationResult:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    def accepted_histogram(self) -> dict[int, int]:
+        """How many target calls added 1, 2, 3, ... tokens."""
+        hist: dict[int, int] = {}
+        for n in self.accepted_lengths:
+            hist[n] = hist.get(n, 0) + 1
+        return dict(sorted(hist.items()))
+
     @property
     def tau(self) -> float:
         """Mean tokens added per target forward (1.0 for vanilla decoding)."""
@@ -64,6 +72,8 @@ class GenerationResult:
             "prefill_s": round(self.prefill_s, 4),
             "total_s": round(self.total_s, 4),
             "draft_s": round(self.draft_s, 4),
+            "verify_s": round(max(0.0, self.total_s - self.prefill_s - self.draft_s), 4),
+            "accepted_histogram": self.accepted_histogram(),
             "tokens_per_s": round(self.tokens_per_s, 3),
         }
 
@@ -76,11 +86,12 @@ class TokenSink:
     """
 
     def __init__(self, tokenizer: object, config: GenerationConfig, eos: set[int], budget: int,
-                 on_text: TextCallback | None) -> None:
+                 on_text: TextCallback | None, on_piece: PieceCallback | None = None) -> None:
         self.eos = set() if config.ignore_eos else eos
         self.budget = budget
         self.detok = Detokenizer(tokenizer, config.stop)
         self.on_text = on_text
+        self.on_piece = on_piece
         self.tokens: list[int] = []
         self.finish: str | None = None
 
@@ -88,16 +99,23 @@ class TokenSink:
     def done(self) -> bool:
         return self.finish is not None
 
-    def push(self, new: Sequence[int]) -> bool:
-        """Append tokens until one stops generation; return True once generation is over."""
-        for tok in new:
+    def _emit(self, text: str, drafted: bool) -> None:
+        if text and self.on_piece:
+            self.on_piece(text, drafted)
+        elif text and self.on_text:
+            self.on_text(text)
+
+    def push(self, new: Sequence[int], drafted: int = 0) -> bool:
+        """Append tokens until one stops generation; return True once generation is over.
+
+        The first ``drafted`` of ``new`` are accepted drafts (for ``on_piece``'s colouring).
+        """
+        for i, tok in enumerate(new):
             if tok in self.eos:
                 self.finish = "eos"
                 break
             self.tokens.append(tok)
-            text = self.detok.push([tok])
-            if self.on_text and text:
-                self.on_text(text)
+            self._emit(self.detok.push([tok]), i < drafted)
             if self.detok.stopped:
                 self.finish = "stop"
                 break
@@ -107,7 +125,5 @@ class TokenSink:
         return self.done
 
     def close(self) -> str:
-        tail = self.detok.flush()
-        if self.on_text and tail:
-            self.on_text(tail)
+        self._emit(self.detok.flush(), False)
         return self.detok.text

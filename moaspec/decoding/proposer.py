@@ -26,7 +26,7 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def begin(self, target_cache: KVCache, capacity: int) -> None:
+    def begin(self, target_cache: KVCache) -> None:
         """A new sequence: the target has just prefilled its prompt into ``target_cache``."""
 
     def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams,

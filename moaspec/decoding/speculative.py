@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from moaspec.chat import check_fits
-from moaspec.decoding.generation import GenerationConfig, GenerationResult, TextCallback, TokenSink
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback, TokenSink
 from moaspec.decoding.proposer import Proposer
 from moaspec.decoding.sampling import probabilities, select_token
 from moaspec.decoding.vanilla import stop_token_ids
@@ -34,16 +34,21 @@ def generate_chain(
     config: GenerationConfig = GenerationConfig(),
     draft_len: int = 6,
     on_text: TextCallback | None = None,
+    on_piece: PieceCallback | None = None,
 ) -> GenerationResult:
-    """Decode with chains of ``draft_len`` drafts per target forward."""
+    """Decode with chains of ``draft_len`` drafts per target forward.
+
+    ``on_text`` streams the text; ``on_piece`` instead receives each piece with whether
+    it came from accepted drafts (``--show-drafts``).
+    """
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
     budget = min(config.max_new_tokens, context - len(prompt_ids))
-    capacity = len(prompt_ids) + budget + draft_len + 1
-    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text)
+    capacity = min(len(prompt_ids) + budget + draft_len + 1, context)
+    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece)
     params = config.sampling
     gen = params.generator(model.device)
-    cache = model.new_cache(min(capacity, context))
+    cache = model.new_cache(capacity)
     t0 = time.perf_counter()
     logits = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None)).logits[0, -1]
     tokens = list(prompt_ids) + [select_token(logits, params, gen)]
@@ -51,7 +56,7 @@ def generate_chain(
     accepted: list[int] = []
     draft_s = 0.0
     if not sink.push(tokens[-1:]):
-        proposer.begin(cache, capacity)
+        proposer.begin(cache)
     while not sink.done:
         # never draft past the context window or far past the token budget
         n = max(0, min(draft_len, context - len(tokens) - 1, budget - len(sink.tokens)))
@@ -69,7 +74,7 @@ def generate_chain(
         cache.truncate(start + 1 + verdict.accepted)
         tokens += new
         accepted.append(len(new))
-        if not sink.push(new):
+        if not sink.push(new, drafted=verdict.accepted):
             proposer.commit(cache.length)
     text = sink.close()
     total = time.perf_counter() - t0

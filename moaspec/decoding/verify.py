@@ -58,3 +58,51 @@ def verify_sampling(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs
     total = residual.sum()
     dist = residual / total if total > 0 else target_probs[k]
     return Verdict(k, int(sample(dist, generator)))
+
+
+def verify_tree(tokens: torch.Tensor, parents: list[int], target_probs: torch.Tensor, greedy: bool,
+                generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Walk a draft tree from its root (node 0), accepting at most one child per node.
+
+    ``tokens[i]`` is node ``i``'s token, ``parents[i]`` its parent (``-1`` for the
+    root); row ``i`` of ``target_probs`` (``[N, V]``; logits when ``greedy``) is the
+    target's distribution after node ``i``. Returns the accepted nodes (root
+    excluded, in order) and the target's token after the last of them.
+
+    Greedy: follow the child whose token is the target's argmax. Sampling: the
+    children were chosen deterministically (top-k), so each is a draft whose
+    distribution is a point mass, and multi-draft recursive rejection sampling becomes:
+    accept child ``c`` with probability ``r(c) / Σ r`` where ``r`` is the residual
+    (the target's distribution with the already-rejected children removed); if every
+    child is rejected, draw from the residual. Each step then draws exactly from the
+    target's distribution, so the output does too.
+    """
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, []).append(i)
+    path: list[int] = []
+    node = 0
+    while True:
+        kids = children.get(node, [])
+        if greedy:
+            best = int(target_probs[node].argmax())
+            nxt = next((c for c in kids if int(tokens[c]) == best), None)
+            if nxt is None:
+                return path, best
+        else:
+            residual = target_probs[node].clone()
+            nxt = None
+            for c in kids:
+                tok = int(tokens[c])
+                total = residual.sum()
+                if total > 0 and float(torch.rand((), generator=generator)) * float(total) < float(residual[tok]):
+                    nxt = c
+                    break
+                residual[tok] = 0.0
+            if nxt is None:
+                total = residual.sum()
+                dist = residual / total if total > 0 else target_probs[node]
+                return path, int(sample(dist, generator))
+        path.append(nxt)
+        node = nxt

@@ -1,0 +1,86 @@
+"""Chain acceptance length τ of a drafter on SpecBench, per category, with vanilla decoding interleaved.
+
+Greedy, first turns, chains of ``--draft-len`` drafts. For every prompt the chain
+run and a vanilla run go back to back (alternating order), so tokens/s are compared
+under the same machine noise, and every chain output is checked token for token
+against vanilla's (losslessness on the real model).
+
+    .venv/bin/python benchmarks/chain_tau.py --questions ../shared/specbench --per-file 10 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from moaspec.chat import chat_messages, encode_chat
+from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.speculative import generate_chain
+from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters.moa_proposer import MoAProposer
+from moaspec.models import load_model
+from moaspec.specbench import load_questions
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
+    ap.add_argument("--per-file", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--draft-len", type=int, default=6)
+    ap.add_argument("--drafter", default=None, help="checkpoint directory (default: the shipped one)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output", default=None, help="write the per-prompt rows and summary as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    lm = load_model(None, device="cpu")
+    drafter = load_drafter(args.drafter or shipped_drafter(lm), lm)
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    questions = load_questions(args.questions, per_file=args.per_file)
+    prompts = [(q, encode_chat(lm.tokenizer, chat_messages(q.turns[0]))) for q in questions]
+    generate_chain(lm.model, lm.tokenizer, MoAProposer(drafter), prompts[0][1], GenerationConfig(max_new_tokens=16))
+    generate(lm.model, lm.tokenizer, prompts[0][1], GenerationConfig(max_new_tokens=16))
+
+    rows = []
+    for i, (q, ids) in enumerate(prompts):
+        out = {}
+        for which in (("moa", "vanilla") if i % 2 == 0 else ("vanilla", "moa")):
+            if which == "moa":
+                out["moa"] = generate_chain(lm.model, lm.tokenizer, MoAProposer(drafter), ids, cfg, draft_len=args.draft_len)
+            else:
+                out["vanilla"] = generate(lm.model, lm.tokenizer, ids, cfg)
+        m, v = out["moa"], out["vanilla"]
+        rows.append({"category": q.category, "question": q.question_id, "tau": m.tau, "calls": m.target_calls,
+                     "tokens": m.new_tokens, "moa_s": m.total_s, "vanilla_s": v.total_s, "draft_s": m.draft_s,
+                     "identical": m.token_ids == v.token_ids, "accepted": m.accepted_lengths})
+        print(f"{q.category:<11}{q.question_id:>6}  tau {m.tau:5.2f}  moa {m.tokens_per_s:6.1f} tok/s  "
+              f"vanilla {v.tokens_per_s:6.1f}  {'same' if rows[-1]['identical'] else 'MISMATCH'}", flush=True)
+
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[r["category"]].append(r)
+    groups["overall"] = rows
+    summary = {}
+    print(f"\n{'category':<11}{'tau':>6}{'moa tok/s':>11}{'vanilla':>9}{'speedup':>9}{'mismatch':>10}")
+    for name, rs in groups.items():
+        accepted = [a for r in rs for a in r["accepted"]]
+        tau = sum(accepted) / len(accepted)
+        moa = sum(r["tokens"] for r in rs) / sum(r["moa_s"] for r in rs)
+        van = sum(r["tokens"] for r in rs) / sum(r["vanilla_s"] for r in rs)
+        bad = sum(not r["identical"] for r in rs)
+        summary[name] = {"tau": round(tau, 3), "moa_tokens_per_s": round(moa, 2), "vanilla_tokens_per_s": round(van, 2),
+                         "speedup": round(moa / van, 3), "greedy_mismatches": bad, "prompts": len(rs)}
+        print(f"{name:<11}{tau:>6.2f}{moa:>11.1f}{van:>9.1f}{moa / van:>9.2f}{bad:>10}")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"args": vars(args), "summary": summary, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

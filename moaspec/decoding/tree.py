@@ -1,0 +1,119 @@
+"""Speculative decoding with an EAGLE-2 dynamic draft tree, verified in one target forward.
+
+    the proposer grows a tree from the target's newest token (the root): at each of
+    ``depth`` levels it expands the ``top_k`` best nodes of the level into their
+    ``top_k`` most likely children, scoring nodes by cumulative draft log-probability;
+    then it keeps the ``total`` best nodes (ancestors always rank above descendants).
+    One target forward scores every node under a tree attention mask; the longest
+    accepted path is kept and the target's cache is compacted onto it.
+
+Greedy output equals the target's greedy output; with sampling, tree verification
+(:func:`moaspec.decoding.verify.verify_tree`) keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from moaspec.chat import check_fits
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback, TokenSink
+from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
+from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.decoding.verify import verify_tree
+from moaspec.errors import MoaspecError
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.transformer import Transformer, tree_mask
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    depth: int = 5  # levels of drafts below the root
+    top_k: int = 4  # nodes expanded per level, children per expanded node
+    total: int = 24  # nodes verified per target forward, root included
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.total < 1:
+            raise MoaspecError(f"a draft tree needs depth >= 1, top_k >= 1 and total >= 1, got {self}")
+
+
+@dataclass
+class DraftTree:
+    """Nodes in an order where parents come before children; node 0 is the root (the newest verified token)."""
+
+    tokens: torch.Tensor  # [N]
+    parents: list[int]  # parent index per node, -1 for the root
+    depths: torch.Tensor  # [N], 0 for the root
+
+    def ancestors(self) -> torch.Tensor:
+        """``[N, N]`` bool: ``[i, j]`` when node j is node i or one of its ancestors."""
+        n = len(self.parents)
+        anc = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                anc[i] |= anc[p]
+        return anc
+
+
+class TreeProposer(Protocol):
+    def begin(self, target_cache: KVCache) -> None: ...
+
+    def propose_tree(self, tokens: Sequence[int], shape: TreeShape) -> DraftTree: ...
+
+    def commit(self, verified: int, path: Sequence[int] | None = None) -> None: ...
+
+
+def generate_tree(
+    model: Transformer,
+    tokenizer: Any,
+    proposer: TreeProposer,
+    prompt_ids: Sequence[int],
+    config: GenerationConfig = GenerationConfig(),
+    shape: TreeShape = TreeShape(),
+    on_text: TextCallback | None = None,
+    on_piece: PieceCallback | None = None,
+) -> GenerationResult:
+    """Decode with one draft tree per target forward."""
+    context = model.cfg.max_position_embeddings
+    check_fits(len(prompt_ids), context)
+    budget = min(config.max_new_tokens, context - len(prompt_ids))
+    # room for the verified tree, and for the expanded nodes a drafter with TLI writes into the cache
+    capacity = min(len(prompt_ids) + budget + max(shape.total, 1 + shape.depth * shape.top_k) + 1, context)
+    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece)
+    params: SamplingParams = config.sampling
+    gen = params.generator(model.device)
+    cache = model.new_cache(capacity)
+    t0 = time.perf_counter()
+    logits = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None)).logits[0, -1]
+    tokens = list(prompt_ids) + [select_token(logits, params, gen)]
+    prefill_s = time.perf_counter() - t0
+    accepted: list[int] = []
+    draft_s = 0.0
+    if not sink.push(tokens[-1:]):
+        proposer.begin(cache)
+    while not sink.done:
+        n = cache.length
+        room = capacity - n  # the tree must fit the cache (and the context window)
+        t1 = time.perf_counter()
+        tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, max(1, min(shape.total, room))))
+        draft_s += time.perf_counter() - t1
+        mask = tree_mask(n, tree.ancestors().to(model.device))
+        out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device), mask=mask)
+        scores = out.logits[0] if params.greedy else probabilities(out.logits[0], params)
+        path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
+        cache.compact(n, torch.tensor([0] + path))
+        new = [int(tree.tokens[i]) for i in path] + [nxt]
+        tokens += new
+        accepted.append(len(new))
+        if not sink.push(new, drafted=len(path)):
+            proposer.commit(cache.length, path)
+    text = sink.close()
+    return GenerationResult(
+        token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
+        prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=len(accepted),
+        accepted_lengths=accepted, draft_s=draft_s,
+    )

@@ -1,0 +1,26 @@
+"""Drafters: the MoA drafter, its checkpoints, and the drafters shipped with moaspec."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moaspec.drafters.checkpoint import DrafterError, load_drafter
+from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.models.loading import LoadedModel
+
+SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+
+
+def shipped_drafter(target: LoadedModel) -> Path | None:
+    """The drafter shipped for this target (matched by weight fingerprint), if any."""
+    for cfg in sorted(SHIPPED.glob("*/config.json")):
+        try:
+            if json.loads(cfg.read_text())["target"]["fingerprint"] == target.fingerprint:
+                return cfg.parent
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+__all__ = ["DrafterError", "MoAConfig", "MoADrafter", "load_drafter", "shipped_drafter"]
