@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, tau, timings) instead of streaming")
     g.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the one shipped for the target)")
     g.add_argument("--no-draft", action="store_true", help="plain decoding, one target forward per token")
-    g.add_argument("--chain", type=int, default=6, metavar="T", help="draft T tokens per target forward (default 6)")
+    g.add_argument("--chain", type=int, default=6, metavar="T", help="chain drafting: T drafts per target forward (default 6)")
+    g.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
+    g.add_argument("--tree-depth", type=int, default=5, help="tree levels below the newest token")
+    g.add_argument("--tree-top-k", type=int, default=4, help="nodes expanded per level and children per node")
+    g.add_argument("--tree-total", type=int, default=24, help="tree nodes verified per target forward")
     g.add_argument("--show-drafts", action="store_true", help="colour the text that came from accepted drafts")
     _add_model_options(g)
     _add_generation_options(g)
@@ -83,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
     t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")
     t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: 1.5x its input)")
+    t.add_argument("--no-feature-cache", action="store_true",
+                   help="recompute the target's features every epoch instead of caching them (fp16, ~24 KiB/token for SmolLM2) under DATA/features")
     t.add_argument("--no-progress", action="store_true")
     _add_model_options(t)
     return parser
@@ -153,13 +159,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = generate(loaded.model, loaded.tokenizer, ids, config, on_text=None if args.json else stream)
     else:
         from moaspec.decoding.speculative import generate_chain
+        from moaspec.decoding.tree import TreeShape, generate_tree
         from moaspec.drafters.moa_proposer import MoAProposer
 
         if args.show_drafts and not args.json:
             print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)
-        result = generate_chain(loaded.model, loaded.tokenizer, MoAProposer(drafter), ids, config, draft_len=args.chain,
-                                on_text=None if args.json else stream,
-                                on_piece=coloured if args.show_drafts and not args.json else None)
+        on_text = None if args.json else stream
+        on_piece = coloured if args.show_drafts and not args.json else None
+        if args.tree:
+            shape = TreeShape(args.tree_depth, args.tree_top_k, args.tree_total)
+            result = generate_tree(loaded.model, loaded.tokenizer, MoAProposer(drafter), ids, config, shape,
+                                   on_text=on_text, on_piece=on_piece)
+        else:
+            result = generate_chain(loaded.model, loaded.tokenizer, MoAProposer(drafter), ids, config,
+                                    draft_len=args.chain, on_text=on_text, on_piece=on_piece)
     if args.json:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:
@@ -208,7 +221,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         warmup=args.warmup, max_len=args.max_len, segment_min=args.segment_min, segment_max=args.segment_max,
         staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
-        mixed_precision=args.mixed_precision,
+        mixed_precision=args.mixed_precision, cache_features=not args.no_feature_cache,
     )
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:

@@ -140,3 +140,22 @@ def test_two_processes_with_torchrun(tiny_dirs, tiny_data: Path, tmp_path: Path)
     meta = json.loads((out / "drafter" / "config.json").read_text())
     assert meta["training"]["processes"] == 2 and meta["training"]["steps"] == 4
     assert len(read_log(out / "train_log.csv")) == 4
+
+
+def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.training.features import FeatureStore, target_pass
+
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
+    lengths = torch.tensor([5, 3])
+    store = FeatureStore(tiny_llama.model, 1, tmp_path / "f")
+    first = store.features(tokens, lengths, ("a", "b"))
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["a.safetensors", "b.safetensors"]
+    again = store.features(tokens, lengths, ("a", "b"))  # now read from disk
+    fresh = target_pass(tiny_llama.model, tokens, 1)
+    for x, y, z in [(first.token_kv, again.token_kv, fresh.token_kv), (first.final, again.final, fresh.final),
+                    (first.layer, again.layer, fresh.layer)]:
+        assert torch.equal(x, y)
+        torch.testing.assert_close(x[0], z[0])  # the full row; padding of row 1 is zero in the store
+        torch.testing.assert_close(x[1, :3], z[1, :3])
+    (tmp_path / "f" / "a.safetensors").write_bytes(b"garbage")  # a damaged file is recomputed, not trusted
+    assert torch.equal(store.features(tokens, lengths, ("a", "b")).final, first.final)

@@ -26,6 +26,7 @@ from moaspec.training.datagen import read_shard
 class Example:
     tokens: tuple[int, ...]
     prompt_len: int
+    key: str = ""  # the record id: names the example's cached target features
 
 
 def read_manifest(data_dir: Path) -> dict:
@@ -54,7 +55,7 @@ def load_examples(data_dir: Path, max_len: int, val_fraction: float) -> tuple[li
             prompt, answer = rec["prompt_ids"], rec["answer_ids"]
             if not answer or len(prompt) >= max_len - 1:
                 continue
-            ex = Example(tuple((prompt + answer)[:max_len]), len(prompt))
+            ex = Example(tuple((prompt + answer)[:max_len]), len(prompt), rec["id"])
             (val if held_out(rec["id"], val_fraction) else train).append(ex)
     if not train:
         raise MoaspecError(f"{data_dir} has no usable training examples yet")
@@ -114,6 +115,7 @@ class Batch:
     tokens: torch.Tensor  # [B, S], right-padded with 0
     lengths: torch.Tensor  # [B]
     prompt_lens: torch.Tensor  # [B]
+    keys: tuple[str, ...] = ()
 
 
 def collate(examples: Sequence[Example]) -> Batch:
@@ -121,7 +123,8 @@ def collate(examples: Sequence[Example]) -> Batch:
     tokens = torch.zeros(len(examples), S, dtype=torch.long)
     for b, e in enumerate(examples):
         tokens[b, : len(e.tokens)] = torch.tensor(e.tokens)
-    return Batch(tokens, torch.tensor([len(e.tokens) for e in examples]), torch.tensor([e.prompt_len for e in examples]))
+    return Batch(tokens, torch.tensor([len(e.tokens) for e in examples]), torch.tensor([e.prompt_len for e in examples]),
+                 tuple(e.key for e in examples))
 
 
 def batch_stream(examples: Sequence[Example], tokens_per_batch: int, seed: int, rank: int, world: int,

@@ -18,29 +18,9 @@ from moaspec.drafters.moa import MoADrafter
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
 from moaspec.training.dataset import Batch
+from moaspec.training.features import TargetOut
 from moaspec.training.losses import LossParts, distillation_loss
 from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
-
-
-@dataclass
-class TargetOut:
-    token_kv: torch.Tensor  # [B, S, L, kv_width]
-    final: torch.Tensor  # [B, S, d], after the final norm
-    layer: torch.Tensor | None  # [B, S, d] after layer L−N (N > 0)
-    cache: KVCache  # every layer's K/V, for TLI's true states
-
-
-def target_pass(target: Transformer, tokens: torch.Tensor, tli_layers: int) -> TargetOut:
-    """Run the frozen target once over right-padded sequences (padding sits after every real token)."""
-    B, S = tokens.shape
-    cache = target.new_cache(S, B)
-    split = target.cfg.num_layers - tli_layers
-    out = target(tokens, cache, logits_at=slice(0, 0), hidden_after=(split,) if tli_layers else ())
-    with torch.no_grad():  # outside inference mode: plain tensors that autograd may save
-        token_kv = cache.token_kv(0, S).clone()
-        final = out.hidden.clone()
-        layer = out.layer_hidden[split].clone() if tli_layers else None
-    return TargetOut(token_kv, final, layer, cache)
 
 
 @dataclass
@@ -108,9 +88,11 @@ def drafter_loss(drafter: MoADrafter, target: Transformer, batch: Batch, masks: 
     if N:
         B, S = batch.tokens.shape
         L = target.cfg.num_layers
-        cache = KVCache(N, target.cfg.num_kv_heads, target.cfg.head_dim, 2 * S, B, pred.dtype, device)
-        cache.keys[:, :, :, :S] = tgt.cache.keys[L - N :, :, :, :S]
-        cache.values[:, :, :, :S] = tgt.cache.values[L - N :, :, :, :S]
+        H, D = target.cfg.num_kv_heads, target.cfg.head_dim
+        cache = KVCache(N, H, D, 2 * S, B, pred.dtype, device)
+        # the last N layers' true K/V, unpacked from the per-token layout [B, S, L, (K heads, V heads)·D]
+        true_kv = tgt.token_kv[:, :, L - N :].reshape(B, S, N, 2, H, D).permute(3, 2, 0, 4, 1, 5)
+        cache.keys[:, :, :, :S], cache.values[:, :, :, :S] = true_kv[0], true_kv[1]
         cache.length = S
         final = drafter.run_tli(pred, cache, torch.arange(S, device=device), tli_mask(masks, batch.lengths).to(device),
                                 cache_layer_offset=L - N)

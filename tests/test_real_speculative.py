@@ -1,0 +1,76 @@
+"""Losslessness on the real default target with the shipped drafter: chain and tree equal vanilla greedy.
+
+Every first turn of SpecBench's first ``MOASPEC_LOSSLESS_PER_FILE`` questions per
+category (default 10: 60 prompts; 40 runs all 240), 64 new tokens each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moaspec.chat import chat_messages, encode_chat
+from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.speculative import generate_chain
+from moaspec.decoding.tree import TreeShape, generate_tree
+from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters.moa_proposer import MoAProposer
+from moaspec.specbench import load_questions
+
+pytestmark = pytest.mark.real
+
+SPECBENCH = Path(__file__).resolve().parents[2] / "shared" / "specbench"
+PER_FILE = int(os.environ.get("MOASPEC_LOSSLESS_PER_FILE", "10"))
+
+
+@pytest.fixture(scope="module")
+def drafter(real_model):  # type: ignore[no-untyped-def]
+    path = shipped_drafter(real_model)
+    assert path is not None, "a drafter must ship for the default target"
+    return load_drafter(path, real_model)
+
+
+def first_turns() -> list[tuple[str, str]]:
+    if not SPECBENCH.is_dir():
+        pytest.skip(f"{SPECBENCH} is not present")
+    return [(f"{q.category}/{q.question_id}", q.turns[0]) for q in load_questions(SPECBENCH, per_file=PER_FILE)]
+
+
+def test_shipped_drafter_fits_the_budget(real_model, drafter) -> None:  # type: ignore[no-untyped-def]
+    target_params = sum(p.numel() for p in real_model.model.parameters())
+    assert drafter.own_parameters() <= 0.10 * target_params
+    assert drafter.cfg.num_target_layers == real_model.cfg.num_layers
+
+
+def test_greedy_chain_and_tree_equal_vanilla_on_specbench(real_model, drafter) -> None:  # type: ignore[no-untyped-def]
+    cfg = GenerationConfig(max_new_tokens=64)
+    mismatches = []
+    accepted = 0
+    for name, text in first_turns():
+        ids = encode_chat(real_model.tokenizer, chat_messages(text))
+        want = generate(real_model.model, real_model.tokenizer, ids, cfg).token_ids
+        chain = generate_chain(real_model.model, real_model.tokenizer, MoAProposer(drafter), ids, cfg, draft_len=6)
+        tree = generate_tree(real_model.model, real_model.tokenizer, MoAProposer(drafter), ids, cfg, TreeShape())
+        accepted += sum(chain.accepted_lengths) - chain.target_calls
+        if chain.token_ids != want:
+            mismatches.append(("chain", name))
+        if tree.token_ids != want:
+            mismatches.append(("tree", name))
+    assert not mismatches
+    assert accepted > 0
+
+
+def test_cli_uses_the_shipped_drafter(real_model) -> None:  # type: ignore[no-untyped-def]
+    cmd = [sys.executable, "-m", "moaspec", "generate", "List three colours.", "--max-new-tokens", "24", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["tau"] > 1.0 and res["target_calls"] < res["new_tokens"]
+    assert set(res) >= {"draft_s", "verify_s", "accepted_histogram"}
+    shown = subprocess.run(cmd[:-1] + ["--show-drafts"], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "\033[36m" in shown.stdout
