@@ -116,7 +116,7 @@ def test_held_out_split_is_stable() -> None:
 def test_draft_vocabulary_takes_frequent_answer_tokens() -> None:
     ex = [Example((1, 2, 3, 9, 9, 9, 8, 8), 3), Example((4, 9, 7), 1)]
     vocab = draft_vocabulary(ex, 3, always=[0], vocab_size=20)
-    assert vocab.tolist() == [0, 8, 9]  # EOS-like 0 always; then 9 (4x), 8 (2x); prompt tokens never count
+    assert vocab.tolist() == [0, 9, 8]  # EOS-like 0 always, first; then 9 (4x), 8 (2x); prompt tokens never count
 
 
 def test_batches_respect_the_token_budget() -> None:

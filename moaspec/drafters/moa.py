@@ -142,16 +142,21 @@ class MoADrafter(nn.Module):
 
     # --- the target's parts, borrowed -------------------------------------------------
 
-    def attach(self, target: Transformer) -> None:
+    def attach(self, target: Transformer, vocab_limit: int | None = None) -> None:
         """Borrow the target's embeddings, last N layers, final norm and (sliced) ``lm_head``.
 
         Call after moving both models to their device and dtype. The head is a copy of
         the draft-vocabulary rows only (the whole head when no draft vocabulary is set),
-        prepacked for fast CPU inference.
+        prepacked for fast CPU inference. The draft vocabulary is stored most frequent
+        first, so ``vocab_limit`` keeps a smaller, faster head without retraining.
         """
         self.cfg.check_target(target.cfg)
         weight = target.lm_head.weight.detach()
         if self.draft_vocab is not None:
+            if vocab_limit is not None:
+                if not 0 < vocab_limit <= self.cfg.draft_vocab_size:
+                    raise ValueError(f"vocab_limit must be in 1..{self.cfg.draft_vocab_size}")
+                self.draft_vocab = self.draft_vocab[:vocab_limit].clone()
             weight = weight.index_select(0, self.draft_vocab.to(weight.device))
         head = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         head.weight = nn.Parameter(weight.clone(), requires_grad=False)

@@ -72,9 +72,11 @@ def token_frequencies(examples: Sequence[Example]) -> Counter[int]:
 
 
 def draft_vocabulary(examples: Sequence[Example], size: int, always: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """The ``size`` tokens the target emits most often (plus ``always``, e.g. EOS), sorted by id.
+    """The ``size`` tokens the target emits most often (plus ``always``, e.g. EOS, first), most frequent first.
 
-    Ties and unseen tokens are broken by id so that every process computes the same set.
+    The order lets a trained drafter use a prefix of its vocabulary at inference (a
+    smaller, faster head). Ties and unseen tokens are broken by id so that every
+    process computes the same list.
     """
     if not 0 < size <= vocab_size:
         raise MoaspecError(f"draft vocabulary size must be in 1..{vocab_size}, got {size}")
@@ -86,7 +88,7 @@ def draft_vocabulary(examples: Sequence[Example], size: int, always: Sequence[in
             break
         if t not in chosen:
             chosen.append(t)
-    return torch.tensor(sorted(chosen[:size]), dtype=torch.long)
+    return torch.tensor(chosen[:size], dtype=torch.long)
 
 
 def make_batches(examples: Sequence[Example], tokens_per_batch: int, seed: int, epoch: int,
