@@ -21,7 +21,7 @@ from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.speculative import generate_chain
 from moaspec.drafters import load_drafter, shipped_drafter
-from moaspec.drafters.moa_proposer import MoAProposer
+from moaspec.drafters.proposers import MoAProposer
 from moaspec.models import load_model
 from moaspec.specbench import load_questions
 

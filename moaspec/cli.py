@@ -160,7 +160,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         from moaspec.decoding.speculative import generate_chain
         from moaspec.decoding.tree import TreeShape, generate_tree
-        from moaspec.drafters.moa_proposer import MoAProposer
+        from moaspec.drafters.proposers import MoAProposer
 
         if args.show_drafts and not args.json:
             print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)

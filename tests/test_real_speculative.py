@@ -19,7 +19,7 @@ from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.drafters import load_drafter, shipped_drafter
-from moaspec.drafters.moa_proposer import MoAProposer
+from moaspec.drafters.proposers import MoAProposer
 from moaspec.specbench import load_questions
 
 pytestmark = pytest.mark.real

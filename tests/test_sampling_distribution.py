@@ -17,8 +17,9 @@ from moaspec.decoding import GenerationConfig, SamplingParams
 from moaspec.decoding.sampling import probabilities
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
+from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
-from moaspec.drafters.moa_proposer import MoAProposer
+from moaspec.drafters.proposers import EagleProposer, MoAProposer
 from moaspec.models.config import ModelConfig
 from moaspec.models.transformer import Transformer
 from test_speculative import chi_square_p
@@ -44,7 +45,9 @@ def small_vocab():  # type: ignore[no-untyped-def]
     model.embed.weight.mul_(0.15)  # flatter next-token distributions: every token has real probability
     drafter = MoADrafter(MoAConfig.for_target(cfg))
     drafter.attach(model)
-    return model, drafter.eval()
+    eagle = EagleDrafter(EagleConfig.for_target(cfg))
+    eagle.attach(model)
+    return model, {"moa": lambda: MoAProposer(drafter.eval()), "eagle": lambda: EagleProposer(eagle.eval())}
 
 
 def exact_marginals(model: Transformer, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,11 +65,11 @@ def exact_marginals(model: Transformer, params: SamplingParams) -> tuple[torch.T
     return p2, p3
 
 
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", ["chain", "tree", "eagle-tree"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["plain", "warped"])
 def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, params: SamplingParams) -> None:  # type: ignore[no-untyped-def]
-    model, drafter = small_vocab
+    model, proposers = small_vocab
     tok = LetterTokenizer()
     want2, want3 = exact_marginals(model, params)
     got2, got3 = torch.zeros(V), torch.zeros(V)
@@ -75,9 +78,10 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
     for seed in range(runs):
         cfg = GenerationConfig(max_new_tokens=3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
         if method == "chain":
-            r = generate_chain(model, tok, MoAProposer(drafter), PROMPT, cfg, draft_len=3)
+            r = generate_chain(model, tok, proposers["moa"](), PROMPT, cfg, draft_len=3)
         else:
-            r = generate_tree(model, tok, MoAProposer(drafter), PROMPT, cfg, TreeShape(depth=2, top_k=2, total=5))
+            proposer = proposers["eagle" if method == "eagle-tree" else "moa"]()
+            r = generate_tree(model, tok, proposer, PROMPT, cfg, TreeShape(depth=2, top_k=2, total=5))
         got2[r.token_ids[1]] += 1
         got3[r.token_ids[2]] += 1
         accepted += sum(r.accepted_lengths) - len(r.accepted_lengths)

@@ -12,8 +12,9 @@ from moaspec.decoding.proposer import Proposal
 from moaspec.decoding.sampling import probabilities, sample
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.verify import verify_greedy, verify_sampling
+from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
-from moaspec.drafters.moa_proposer import MoAProposer
+from moaspec.drafters.proposers import EagleProposer, MoAProposer
 from moaspec.models.kv_cache import KVCache
 
 
@@ -23,7 +24,7 @@ class OracleProposer:
     def __init__(self, model, corrupt_every: int = 0) -> None:  # type: ignore[no-untyped-def]
         self.model, self.corrupt_every, self.count = model, corrupt_every, 0
 
-    def begin(self, target_cache: KVCache) -> None:
+    def begin(self, target_cache: KVCache, hidden: torch.Tensor) -> None:
         self.cache = self.model.new_cache(target_cache.capacity + 8)
 
     def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams, generator) -> Proposal:  # type: ignore[no-untyped-def]
@@ -40,7 +41,7 @@ class OracleProposer:
             seq.append(tok)
         return Proposal(torch.tensor(out, dtype=torch.long), None)
 
-    def commit(self, verified: int) -> None:
+    def commit(self, verified: int, path=None, hidden=None) -> None:  # type: ignore[no-untyped-def]
         pass
 
 
@@ -53,10 +54,19 @@ def moa_proposer(loaded, tli: int = 0, vocab: int = 0) -> MoAProposer:  # type: 
     return MoAProposer(d.eval())
 
 
+def eagle_proposer(loaded, vocab: int = 0) -> EagleProposer:  # type: ignore[no-untyped-def]
+    torch.manual_seed(4)
+    d = EagleDrafter(EagleConfig.for_target(loaded.cfg, draft_vocab_size=vocab))
+    if vocab:
+        d.set_draft_vocab(torch.arange(vocab))
+    d.attach(loaded.model)
+    return EagleProposer(d.eval())
+
+
 PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 
 
-@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab"])
+@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "eagle"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -65,7 +75,7 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
         proposer = {
             "oracle": lambda: OracleProposer(model), "oracle-corrupt": lambda: OracleProposer(model, corrupt_every=3),
             "moa": lambda: moa_proposer(tiny_llama), "moa-tli1": lambda: moa_proposer(tiny_llama, tli=1),
-            "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100),
+            "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100), "eagle": lambda: eagle_proposer(tiny_llama, vocab=100),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)
@@ -134,10 +144,12 @@ def test_verify_sampling_with_one_hot_distributions_is_greedy() -> None:
     assert verify_sampling(torch.tensor([1]), q, p, None).next_token == 0
 
 
-@pytest.mark.parametrize("kind", ["moa", "moa-vocab"])
+@pytest.mark.parametrize("kind", ["moa", "moa-vocab", "eagle"])
 def test_sampled_chain_runs_and_is_reproducible(tiny_llama, kind: str) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
     cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=5))
-    a = generate_chain(model, tok, moa_proposer(tiny_llama, vocab=100 if kind == "moa-vocab" else 0), PROMPTS[1], cfg)
-    b = generate_chain(model, tok, moa_proposer(tiny_llama, vocab=100 if kind == "moa-vocab" else 0), PROMPTS[1], cfg)
+    make = {"moa": lambda: moa_proposer(tiny_llama), "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100),
+            "eagle": lambda: eagle_proposer(tiny_llama)}[kind]
+    a = generate_chain(model, tok, make(), PROMPTS[1], cfg)
+    b = generate_chain(model, tok, make(), PROMPTS[1], cfg)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 30

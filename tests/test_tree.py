@@ -12,7 +12,7 @@ from moaspec.decoding.sampling import probabilities
 from moaspec.decoding.tree import DraftTree, TreeShape, generate_tree
 from moaspec.decoding.verify import verify_tree
 from moaspec.models.kv_cache import KVCache
-from test_speculative import PROMPTS, chi_square_p, moa_proposer
+from test_speculative import PROMPTS, chi_square_p, eagle_proposer, moa_proposer
 
 
 class OracleTree:
@@ -21,7 +21,7 @@ class OracleTree:
     def __init__(self, model, depth: int = 4, width: int = 3) -> None:  # type: ignore[no-untyped-def]
         self.model, self.depth, self.width = model, depth, width
 
-    def begin(self, target_cache: KVCache) -> None:
+    def begin(self, target_cache: KVCache, hidden: torch.Tensor) -> None:
         pass
 
     def propose_tree(self, tokens: Sequence[int], shape: TreeShape) -> DraftTree:
@@ -42,11 +42,11 @@ class OracleTree:
         n = min(len(toks), shape.total)
         return DraftTree(torch.tensor(toks[:n]), parents[:n], torch.tensor(depths[:n]))
 
-    def commit(self, verified: int, path: Sequence[int] | None = None) -> None:
+    def commit(self, verified: int, path: Sequence[int] | None = None, hidden=None) -> None:  # type: ignore[no-untyped-def]
         pass
 
 
-@pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab"])
+@pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "eagle"])
 @pytest.mark.parametrize("shape", [TreeShape(1, 1, 2), TreeShape(3, 2, 8), TreeShape(5, 4, 24)])
 def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -55,6 +55,7 @@ def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> 
         proposer = {
             "oracle": lambda: OracleTree(model), "moa": lambda: moa_proposer(tiny_llama),
             "moa-tli1": lambda: moa_proposer(tiny_llama, tli=1), "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100),
+            "eagle": lambda: eagle_proposer(tiny_llama, vocab=100),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_tree(model, tok, proposer, prompt, cfg, shape)

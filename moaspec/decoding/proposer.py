@@ -26,12 +26,19 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def begin(self, target_cache: KVCache) -> None:
-        """A new sequence: the target has just prefilled its prompt into ``target_cache``."""
+    def begin(self, target_cache: KVCache, hidden: torch.Tensor) -> None:
+        """A new sequence: the target has just prefilled its prompt into ``target_cache``.
+
+        ``hidden`` ``[P, d]`` is the target's final hidden state at every prompt position.
+        """
 
     def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         """Draft ``n`` tokens after ``tokens`` (verified tokens, ending with the target's newest one)."""
 
-    def commit(self, verified: int) -> None:
-        """The first ``verified`` tokens are now verified and in the target's cache; forget the rest."""
+    def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+        """The first ``verified`` tokens are now verified and in the target's cache; forget the rest.
+
+        ``path``: for a tree, the accepted nodes (``None`` for a chain's accepted prefix).
+        ``hidden``: the target's final hidden states of the newly verified tokens.
+        """

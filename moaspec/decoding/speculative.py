@@ -50,13 +50,13 @@ def generate_chain(
     gen = params.generator(model.device)
     cache = model.new_cache(capacity)
     t0 = time.perf_counter()
-    logits = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None)).logits[0, -1]
-    tokens = list(prompt_ids) + [select_token(logits, params, gen)]
+    out = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None))
+    tokens = list(prompt_ids) + [select_token(out.logits[0, -1], params, gen)]
     prefill_s = time.perf_counter() - t0
     accepted: list[int] = []
     draft_s = 0.0
     if not sink.push(tokens[-1:]):
-        proposer.begin(cache)
+        proposer.begin(cache, out.hidden[0])
     while not sink.done:
         # never draft past the context window or far past the token budget
         n = max(0, min(draft_len, context - len(tokens) - 1, budget - len(sink.tokens)))
@@ -65,7 +65,8 @@ def generate_chain(
         draft_s += time.perf_counter() - t1
         start = cache.length
         block = torch.tensor([[tokens[-1]] + proposal.tokens.tolist()], device=model.device)
-        target_logits = model(block, cache).logits[0]
+        out = model(block, cache)
+        target_logits = out.logits[0]
         if params.greedy:
             verdict = verify_greedy(proposal.tokens, target_logits)
         else:
@@ -75,7 +76,7 @@ def generate_chain(
         tokens += new
         accepted.append(len(new))
         if not sink.push(new, drafted=verdict.accepted):
-            proposer.commit(cache.length)
+            proposer.commit(cache.length, hidden=out.hidden[0, : len(new)])
     text = sink.close()
     total = time.perf_counter() - t0
     return GenerationResult(

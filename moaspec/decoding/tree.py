@@ -60,11 +60,11 @@ class DraftTree:
 
 
 class TreeProposer(Protocol):
-    def begin(self, target_cache: KVCache) -> None: ...
+    def begin(self, target_cache: KVCache, hidden: torch.Tensor) -> None: ...
 
     def propose_tree(self, tokens: Sequence[int], shape: TreeShape) -> DraftTree: ...
 
-    def commit(self, verified: int, path: Sequence[int] | None = None) -> None: ...
+    def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None: ...
 
 
 def generate_tree(
@@ -88,13 +88,13 @@ def generate_tree(
     gen = params.generator(model.device)
     cache = model.new_cache(capacity)
     t0 = time.perf_counter()
-    logits = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None)).logits[0, -1]
-    tokens = list(prompt_ids) + [select_token(logits, params, gen)]
+    out = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None))
+    tokens = list(prompt_ids) + [select_token(out.logits[0, -1], params, gen)]
     prefill_s = time.perf_counter() - t0
     accepted: list[int] = []
     draft_s = 0.0
     if not sink.push(tokens[-1:]):
-        proposer.begin(cache)
+        proposer.begin(cache, out.hidden[0])
     while not sink.done:
         n = cache.length
         room = capacity - n  # the tree must fit the cache (and the context window)
@@ -105,12 +105,13 @@ def generate_tree(
         out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device), mask=mask)
         scores = out.logits[0] if params.greedy else probabilities(out.logits[0], params)
         path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
-        cache.compact(n, torch.tensor([0] + path))
+        kept = torch.tensor([0] + path)
+        cache.compact(n, kept)
         new = [int(tree.tokens[i]) for i in path] + [nxt]
         tokens += new
         accepted.append(len(new))
         if not sink.push(new, drafted=len(path)):
-            proposer.commit(cache.length, path)
+            proposer.commit(cache.length, path, out.hidden[0, kept.to(out.hidden.device)])
     text = sink.close()
     return GenerationResult(
         token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),

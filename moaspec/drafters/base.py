@@ -1,0 +1,144 @@
+"""What every drafter shares: its target's shape, a draft vocabulary, and the target's parts, borrowed.
+
+A drafter stores only its own weights. The embedding table, ``lm_head`` (cut to the
+draft vocabulary), the final norm and any reused layers belong to the target and are
+borrowed by reference at :meth:`Drafter.attach`, never saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from moaspec.models.config import ModelConfig
+from moaspec.models.packed_linear import Linear, pack_linears
+from moaspec.models.transformer import Transformer, rope_tables
+
+C = TypeVar("C", bound="DrafterConfig")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Fields fixed by the target, plus the token-level attention shape and the draft vocabulary."""
+
+    hidden_size: int
+    num_target_layers: int
+    target_kv_width: int  # one layer's K and V for one token: 2 · n_kv · head_dim
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_positions: int
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    draft_vocab_size: int = 0  # 0 = the target's whole vocabulary
+
+    @classmethod
+    def target_fields(cls, cfg: ModelConfig) -> dict[str, Any]:
+        return dict(
+            hidden_size=cfg.hidden_size, num_target_layers=cfg.num_layers, target_kv_width=2 * cfg.kv_dim,
+            vocab_size=cfg.vocab_size, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+            max_positions=cfg.max_position_embeddings, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+        )
+
+    @classmethod
+    def from_dict(cls: type[C], d: dict[str, Any]) -> C:
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def check_target(self, cfg: ModelConfig) -> None:
+        """Raise ValueError naming the first shape in which ``cfg`` differs from the drafter's target."""
+        expected = {
+            "hidden size": (self.hidden_size, cfg.hidden_size),
+            "number of layers": (self.num_target_layers, cfg.num_layers),
+            "K/V width per layer": (self.target_kv_width, 2 * cfg.kv_dim),
+            "vocabulary size": (self.vocab_size, cfg.vocab_size),
+        }
+        for what, (mine, theirs) in expected.items():
+            if mine != theirs:
+                raise ValueError(f"the drafter expects a target with {what} {mine}, this target has {theirs}")
+
+
+class Drafter(nn.Module):
+    """Base of the drafters: draft vocabulary, rotary tables, and the borrowed head."""
+
+    cfg: DrafterConfig
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        if cfg.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size))
+        else:
+            self.draft_vocab = None
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_positions, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._borrowed: dict[str, Any] = {}
+
+    def attach(self, target: Transformer, vocab_limit: int | None = None) -> None:
+        """Borrow the target's parts; the head is a copy of the draft-vocabulary rows of ``lm_head``.
+
+        Call after moving both models to their device and dtype. The draft vocabulary is
+        stored most frequent first, so ``vocab_limit`` keeps a smaller, faster head at
+        inference without retraining.
+        """
+        self.cfg.check_target(target.cfg)
+        weight = target.lm_head.weight.detach()
+        if self.draft_vocab is not None:
+            if vocab_limit is not None:
+                if not 0 < vocab_limit <= self.cfg.draft_vocab_size:
+                    raise ValueError(f"vocab_limit must be in 1..{self.cfg.draft_vocab_size}")
+                self.draft_vocab = self.draft_vocab[:vocab_limit].clone()
+            weight = weight.index_select(0, self.draft_vocab.to(weight.device))
+        head = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        head.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        self._borrowed = {"target": target, "head": head}
+        pack_linears(head, not self.training)
+
+    @property
+    def target(self) -> Transformer:
+        if "target" not in self._borrowed:
+            raise RuntimeError("attach the drafter to its target first")
+        return self._borrowed["target"]
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        if self.draft_vocab is None or ids.shape != self.draft_vocab.shape:
+            raise ValueError(f"draft vocabulary must hold {self.cfg.draft_vocab_size} ids")
+        self.draft_vocab.copy_(ids)
+
+    def own_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def head(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the draft vocabulary (or the whole vocabulary)."""
+        return self._borrowed["head"](features)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+
+    def train(self, mode: bool = True) -> "Drafter":
+        super().train(mode)
+        pack_linears(self, not mode)  # packed weights are stale once training changes them
+        if "head" in self._borrowed:
+            pack_linears(self._borrowed["head"], not mode)
+        return self
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B or 1, 1, T, head_dim]`` for token positions ``[T]`` or ``[B, T]``."""
+        pos = positions if positions.dim() == 2 else positions[None]
+        dtype = self.weight_dtype
+        return self.rope_cos[pos][:, None].to(dtype), self.rope_sin[pos][:, None].to(dtype)

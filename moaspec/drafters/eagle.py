@@ -1,0 +1,83 @@
+"""The EAGLE drafter (Li et al., 2024), the baseline MoA is measured against.
+
+One decoder layer over ``fc([target feature of position j−1 ; embedding of token j])``
+predicts the target's feature at position j (its final hidden state, the input of
+``lm_head``), from which ``lm_head`` gives the draft for token j+1. At inference the
+features of verified positions are the target's own; while drafting, the drafter
+feeds its own predictions back. Trained with the same distillation loss as MoA
+(feature regression plus a soft cross-entropy, whose gradient equals the KL term's),
+with uniform noise on the input features as EAGLE does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moaspec.drafters.base import Drafter, DrafterConfig
+from moaspec.drafters.layers import DecoderLayer
+from moaspec.models.config import ModelConfig
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.packed_linear import Linear
+
+
+@dataclass(frozen=True)
+class EagleConfig(DrafterConfig):
+    mlp: int = 1536
+    feature_noise: float = 0.1  # training inputs get U(−a, a) noise (EAGLE's data augmentation)
+
+    @classmethod
+    def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "EagleConfig":
+        """One decoder layer shaped like the target's own."""
+        defaults: dict[str, Any] = {"mlp": cfg.intermediate_size}
+        defaults.update({k: v for k, v in sizes.items() if v is not None})
+        return cls(**{**cls.target_fields(cfg), **defaults})
+
+
+class EagleDrafter(Drafter):
+    cfg: EagleConfig
+
+    def __init__(self, cfg: EagleConfig) -> None:
+        super().__init__(cfg)
+        d = cfg.hidden_size
+        self.fc = Linear(2 * d, d, bias=False)
+        self.layer = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp, cfg.rms_norm_eps)
+
+    def inputs(self, tokens: torch.Tensor, prev_features: torch.Tensor) -> torch.Tensor:
+        """``fc([feature of the previous position ; embedding of this token])``."""
+        emb = self.target.embed(tokens).to(self.weight_dtype)
+        return self.fc(torch.cat([prev_features.to(self.weight_dtype), emb], dim=-1))
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced pass: predicted features ``[B, S, d]`` from the target's true ones (shifted by one)."""
+        prev = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+        if self.training and self.cfg.feature_noise:
+            prev = prev + (torch.rand_like(prev) * 2 - 1) * self.cfg.feature_noise
+        S = tokens.shape[1]
+        cos, sin = self.rope(torch.arange(S, device=tokens.device))
+        if mask is None:
+            mask = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()
+        return self.layer.self_attention(self.inputs(tokens, prev), cos, sin, mask)
+
+    # --- inference ----------------------------------------------------------------------
+
+    def new_cache(self, capacity: int) -> KVCache:
+        p = next(self.parameters())
+        return KVCache(1, self.cfg.kv_heads, self.cfg.head_dim, capacity, 1, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def step(self, cache: KVCache, tokens: torch.Tensor, prev_features: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None, outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``tokens`` ``[1, T]`` paired with ``prev_features`` ``[1, T, d]``; return logits and features of the last ``outputs``."""
+        start = cache.length
+        T = tokens.shape[1]
+        cos, sin = self.rope(positions)
+        if mask is None and T > 1:
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
+        f = self.layer.self_attention(self.inputs(tokens, prev_features), cos, sin, mask,
+                                      cache=(cache.keys[0], cache.values[0], start))
+        cache.length = start + T
+        f = f[:, T - outputs :]
+        return self.head(f), f

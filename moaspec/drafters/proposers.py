@@ -1,0 +1,267 @@
+"""Drafters as proposers: chain drafting and EAGLE-2 dynamic trees over a few drafter-specific hooks.
+
+The growing of chains and trees is the same for every drafter; what differs is how a
+drafter consumes tokens (:meth:`DrafterProposer._feed`), catches up on verified
+tokens, and rolls back after a verification. Fed nodes take consecutive *slots*
+after the verified tokens — in the drafter's own cache and, for MoA with Target Layer
+Inference, in the target's cache — and a node sees the verified tokens and the slots
+of its ancestors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moaspec.decoding.proposer import Proposal
+from moaspec.decoding.sampling import SamplingParams, sample, warp_logits
+from moaspec.decoding.tree import DraftTree, TreeShape
+from moaspec.drafters.base import Drafter
+from moaspec.drafters.eagle import EagleDrafter
+from moaspec.drafters.moa import MoADrafter, MoAState
+from moaspec.models.kv_cache import KVCache
+
+
+class DrafterProposer:
+    """Chain and tree drafting; subclasses implement the hooks below."""
+
+    drafter: Drafter
+
+    def __init__(self) -> None:
+        self.cache: KVCache | None = None  # the target's
+        self._slots: list[int | None] = []
+
+    # --- hooks --------------------------------------------------------------------------
+
+    def _begin(self, hidden: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _own_length(self) -> int:
+        """Tokens (or tree slots) the drafter's own cache holds."""
+        raise NotImplementedError
+
+    def _feed(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+              parent_features: torch.Tensor | None, outputs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``tokens`` ``[1, T]`` at the next slots; logits ``[outputs, K]`` and features of the last ``outputs``."""
+        raise NotImplementedError
+
+    def _catch_up(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed every verified token the drafter has not seen, ending with the newest; its logits and feature."""
+        raise NotImplementedError
+
+    def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
+        """After a verification: keep the drafter's entries of accepted tokens, learn the new verified state."""
+        raise NotImplementedError
+
+    # --- the Proposer interface ---------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.drafter.parameters()).device
+
+    def begin(self, target_cache: KVCache, hidden: torch.Tensor | None = None) -> None:
+        self.cache = target_cache
+        self._begin(hidden)
+
+    def _full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        d = self.drafter
+        if d.draft_vocab is None:
+            return probs
+        full = probs.new_zeros(probs.shape[:-1] + (d.cfg.vocab_size,))
+        return full.index_copy_(-1, d.draft_vocab, probs)
+
+    def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        """A chain of ``n`` drafts, each fed back as the next input."""
+        d, cache = self.drafter, self.cache
+        assert cache is not None, "call begin() first"
+        verified = cache.length
+        logits, feat = self._catch_up(tokens)
+        drafts: list[torch.Tensor] = []
+        dists: list[torch.Tensor] = []
+        for i in range(n):
+            if sampling.greedy:
+                tok = d.to_target_ids(logits[-1].argmax())
+            else:
+                probs = self._full_vocab(warp_logits(logits[-1], sampling).softmax(-1))
+                tok = sample(probs, generator)
+                dists.append(probs)
+            drafts.append(tok.reshape(1))
+            if i + 1 < n:
+                pos = torch.tensor([verified + 1 + i], device=self.device)
+                logits, feat = self._feed(tok.reshape(1, 1), pos, None, feat, 1)
+        return Proposal(torch.cat(drafts) if drafts else torch.zeros(0, dtype=torch.long), torch.stack(dists) if dists else None)
+
+    def propose_tree(self, tokens: Sequence[int], shape: TreeShape) -> DraftTree:
+        """Grow an EAGLE-2 dynamic tree from the newest token (see :mod:`moaspec.decoding.tree`)."""
+        d, cache = self.drafter, self.cache
+        assert cache is not None, "call begin() first"
+        device = self.device
+        n = cache.length  # verified tokens in the target's cache; the root sits at position n
+        logits, feat = self._catch_up(tokens)
+        tok: list[int] = [tokens[-1]]
+        parent: list[int] = [-1]
+        depth: list[int] = [0]
+        score: list[float] = [0.0]
+        slot: dict[int, int] = {0: n}
+        fed_anc = {0: [n]}  # node → slots of itself and its fed ancestors
+        out_feat = {0: feat[-1] if feat is not None else None}
+        expand = [0]
+        for level in range(1, shape.depth + 1):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            top = logp.topk(min(shape.top_k, logp.shape[-1]), dim=-1)
+            ids = d.to_target_ids(top.indices).tolist()
+            level_nodes = []
+            for row, node in enumerate(expand):
+                for j in range(top.indices.shape[1]):
+                    tok.append(ids[row][j])
+                    parent.append(node)
+                    depth.append(level)
+                    score.append(score[node] + float(top.values[row, j]))
+                    level_nodes.append(len(tok) - 1)
+            if level == shape.depth:
+                break
+            base = self._own_length()
+            room = self._room() - base  # near the context's end, grow less
+            expand = sorted(level_nodes, key=lambda i: -score[i])[: min(shape.top_k, room)]
+            k = len(expand)
+            if not k:
+                break
+            mask = torch.zeros(k, base + k, dtype=torch.bool, device=device)
+            mask[:, :n] = True
+            for r, node in enumerate(expand):
+                slot[node] = base + r
+                fed_anc[node] = fed_anc[parent[node]] + [base + r]
+                mask[r, fed_anc[node]] = True
+            parents_feat = None
+            if out_feat[0] is not None:
+                parents_feat = torch.stack([out_feat[parent[i]] for i in expand])[None]
+            logits, feats = self._feed(torch.tensor([[tok[i] for i in expand]], device=device),
+                                       torch.tensor([n + level] * k, device=device), mask, parents_feat, k)
+            for r, node in enumerate(expand):
+                out_feat[node] = feats[r] if feats is not None else None
+        # keep the best nodes; a child never outscores its parent, but guard ties by adding ancestors
+        ranked = sorted(range(1, len(tok)), key=lambda i: -score[i])[: shape.total - 1]
+        keep = set(ranked)
+        for i in ranked:
+            p = parent[i]
+            while p > 0 and p not in keep:
+                keep.add(p)
+                p = parent[p]
+        order = [0] + sorted(keep, key=lambda i: (depth[i], -score[i]))[: shape.total - 1]
+        index = {node: i for i, node in enumerate(order)}
+        self._slots = [slot.get(node) for node in order]
+        return DraftTree(
+            tokens=torch.tensor([tok[i] for i in order], dtype=torch.long),
+            parents=[index[parent[i]] if i else -1 for i in order],
+            depths=torch.tensor([depth[i] for i in order], dtype=torch.long),
+        )
+
+    def _room(self) -> int:
+        assert self.cache is not None
+        return self.cache.capacity
+
+    def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+        """``verified`` tokens are now in the target's cache: a chain's accepted prefix, or a tree's ``path``.
+
+        ``hidden`` holds the target's final hidden states of the newly verified tokens.
+        """
+        keep = None
+        if path is not None:
+            # fed nodes form a prefix of the path: a node is only fed if its parent was
+            keep = [self._slots[0]] + [s for s in (self._slots[i] for i in path) if s is not None]
+        self._rollback(verified, keep, hidden)
+
+
+class MoAProposer(DrafterProposer):
+    """MoA: SA's cache holds token entries; the memory grows by LSA over newly verified tokens."""
+
+    def __init__(self, drafter: MoADrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.state: MoAState | None = None
+
+    def _begin(self, hidden: torch.Tensor | None) -> None:
+        assert self.cache is not None
+        self.state = self.drafter.new_state(self.cache.capacity)
+        self.drafter.observe(self.state, self.cache, self.cache.length)
+
+    def _own_length(self) -> int:
+        assert self.state is not None
+        return self.state.sa.length
+
+    def _room(self) -> int:
+        assert self.state is not None and self.cache is not None
+        return min(self.state.sa.capacity, self.cache.capacity)
+
+    def _feed(self, tokens, positions, mask, parent_features, outputs):  # type: ignore[no-untyped-def]
+        assert self.state is not None and self.cache is not None
+        verified = self.cache.length
+        self.cache.length = self.state.sa.length + tokens.shape[1] - outputs  # TLI writes the outputs' slots here
+        try:
+            logits = self.drafter.step(self.state, tokens, positions, mask, outputs, self.cache, tli_mask=mask)
+        finally:
+            self.cache.length = verified  # the target's verified length is unchanged by drafting
+        return logits[0], None
+
+    def _catch_up(self, tokens: Sequence[int]) -> tuple[torch.Tensor, None]:
+        assert self.state is not None
+        start = self.state.sa.length
+        feed = torch.tensor([list(tokens[start:])], device=self.device)
+        return self._feed(feed, torch.arange(start, len(tokens), device=self.device), None, None, 1)
+
+    def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
+        assert self.state is not None and self.cache is not None
+        sa = self.state.sa
+        if keep_slots is None:
+            sa.truncate(min(sa.length, verified))
+        else:
+            sa.compact(keep_slots[0], torch.tensor(keep_slots) - keep_slots[0])
+        self.drafter.observe(self.state, self.cache, verified)
+
+
+class EagleProposer(DrafterProposer):
+    """EAGLE: its cache holds entries made from true features; drafted entries are dropped after verification."""
+
+    def __init__(self, drafter: EagleDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.own: KVCache | None = None
+        self.features: torch.Tensor | None = None  # the target's final hidden state per verified position
+
+    def _begin(self, hidden: torch.Tensor | None) -> None:
+        assert self.cache is not None and hidden is not None, "EAGLE needs the target's hidden states"
+        self.own = self.drafter.new_cache(self.cache.capacity)
+        self.features = torch.zeros(self.cache.capacity, self.drafter.cfg.hidden_size, device=self.device,
+                                    dtype=self.drafter.weight_dtype)
+        self.features[: hidden.shape[0]] = hidden
+
+    def _own_length(self) -> int:
+        assert self.own is not None
+        return self.own.length
+
+    def _room(self) -> int:
+        assert self.own is not None
+        return self.own.capacity
+
+    def _feed(self, tokens, positions, mask, parent_features, outputs):  # type: ignore[no-untyped-def]
+        assert self.own is not None
+        if parent_features.dim() == 2:
+            parent_features = parent_features[None]
+        logits, feats = self.drafter.step(self.own, tokens, parent_features, positions, mask, outputs)
+        return logits[0], feats[0]
+
+    def _catch_up(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.own is not None and self.features is not None
+        start = self.own.length
+        end = len(tokens)
+        prev = torch.cat([torch.zeros_like(self.features[:1]), self.features])[start : end]  # f_{j-1} for j in start..end-1
+        feed = torch.tensor([list(tokens[start:end])], device=self.device)
+        return self._feed(feed, torch.arange(start, end, device=self.device), None, prev[None], 1)
+
+    def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
+        assert self.own is not None and self.features is not None and hidden is not None
+        root = verified - hidden.shape[0]  # the newly verified tokens start at the root
+        self.features[root:verified] = hidden
+        self.own.truncate(min(self.own.length, root + 1))  # drafted entries were made from predicted features
