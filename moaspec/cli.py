@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="distil a MoA drafter from the target (HF Accelerate; works under accelerate launch / torchrun)")
     t.add_argument("--data", required=True, help="directory made by `moaspec data`")
     t.add_argument("--output", required=True, help="run directory: state, logs, and the exported drafter in OUTPUT/drafter (resumes if it exists)")
+    t.add_argument("--kind", choices=("moa", "eagle"), default="moa", help="drafter to train: MoA, or the EAGLE baseline")
     t.add_argument("--steps", type=int, default=1000, help="optimizer updates")
     t.add_argument("--tokens-per-batch", type=int, default=4096, help="tokens per micro-batch and process, padding included")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
@@ -217,7 +218,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.lr <= 0 or args.warmup < 0 or not 0 < args.val_fraction < 1 or args.draft_vocab < 0:
         raise MoaspecError("--lr must be > 0, --warmup >= 0, --val-fraction in (0, 1) and --draft-vocab >= 0")
     cfg = TrainConfig(
-        steps=args.steps, tokens_per_batch=args.tokens_per_batch, grad_accum=args.grad_accum, lr=args.lr,
+        kind=args.kind, steps=args.steps, tokens_per_batch=args.tokens_per_batch, grad_accum=args.grad_accum, lr=args.lr,
         warmup=args.warmup, max_len=args.max_len, segment_min=args.segment_min, segment_max=args.segment_max,
         staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
@@ -226,7 +227,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
-    sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_mlp": args.lsa_mlp}
+    if args.kind == "eagle" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_mlp):
+        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp and --lsa-mlp apply to MoA drafters only")
+    sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_mlp": args.lsa_mlp} if args.kind == "moa" else {}
     trainer = Trainer(loaded, Path(args.data), Path(args.output), cfg, sizes, progress=not args.no_progress)
     summary = trainer.train()
     if trainer.acc.is_main_process:

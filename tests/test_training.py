@@ -66,6 +66,19 @@ def test_training_reduces_the_loss_and_exports_a_drafter(tiny_llama, tiny_data: 
     assert meta["training"]["steps"] == 30 and meta["training"]["finished"]
 
 
+def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.drafters.checkpoint import load_drafter
+    from moaspec.drafters.eagle import EagleDrafter
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "run", small(kind="eagle"), progress=False).train()
+    log = read_log(tmp_path / "run" / "train_log.csv")
+    first = sum(float(r["loss"]) for r in log[:5]) / 5
+    last = sum(float(r["loss"]) for r in log[-5:]) / 5
+    assert last < 0.9 * first, (first, last)
+    assert read_log(tmp_path / "run" / "val_log.csv")[-1]["val_tau_chain6"] == ""
+    assert isinstance(load_drafter(tmp_path / "run" / "drafter", tiny_llama), EagleDrafter)
+
+
 def test_tli_training_runs(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=4, tli_layers=1, eval_every=4), progress=False).train()
     log = read_log(tmp_path / "run" / "train_log.csv")

@@ -20,12 +20,22 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from moaspec.drafters.base import Drafter, DrafterConfig
+from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.models.loading import LoadedModel
 
 FORMAT = "moaspec-drafter"
 VERSION = 1
+KINDS: dict[str, tuple[type[DrafterConfig], type[Drafter]]] = {
+    "moa": (MoAConfig, MoADrafter),
+    "eagle": (EagleConfig, EagleDrafter),
+}
+
+
+def kind_of(drafter: Drafter) -> str:
+    return next(k for k, (_, cls) in KINDS.items() if type(drafter) is cls)
 
 
 class DrafterError(MoaspecError):
@@ -40,7 +50,7 @@ def target_identity(target: LoadedModel) -> dict[str, Any]:
     }
 
 
-def save_drafter(drafter: MoADrafter, path: str | Path, target: dict[str, Any], training: dict[str, Any] | None = None,
+def save_drafter(drafter: Drafter, path: str | Path, target: dict[str, Any], training: dict[str, Any] | None = None,
                  dtype: torch.dtype = torch.float16) -> Path:
     """Write the drafter's own weights (cast to ``dtype``) and its JSON description to ``path``.
 
@@ -54,7 +64,7 @@ def save_drafter(drafter: MoADrafter, path: str | Path, target: dict[str, Any], 
         state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
                  for k, v in drafter.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"))
-        meta = {"format": FORMAT, "version": VERSION, "kind": "moa", "config": drafter.cfg.to_dict(),
+        meta = {"format": FORMAT, "version": VERSION, "kind": kind_of(drafter), "config": drafter.cfg.to_dict(),
                 "target": target, "training": training or {}}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1))
         old = None
@@ -96,15 +106,16 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
         )
 
 
-def load_drafter(path: str | Path, target: LoadedModel) -> MoADrafter:
+def load_drafter(path: str | Path, target: LoadedModel) -> Drafter:
     """Load a drafter for ``target`` (refusing one made for another target), attached and in eval mode."""
     path = Path(path)
     meta = read_meta(path)
     check_target(meta, target, path)
-    if meta.get("kind") != "moa":
-        raise DrafterError(f"{path} holds a {meta.get('kind')!r} drafter; expected 'moa'")
+    if meta.get("kind") not in KINDS:
+        raise DrafterError(f"{path} holds a drafter of unknown kind {meta.get('kind')!r}; known: {', '.join(KINDS)}")
+    config_cls, drafter_cls = KINDS[meta["kind"]]
     try:
-        cfg = MoAConfig.from_dict(meta["config"])
+        cfg = config_cls.from_dict(meta["config"])
         cfg.check_target(target.cfg)
     except (KeyError, TypeError, ValueError) as exc:
         raise DrafterError(f"{path} has an invalid drafter config: {exc}") from None
@@ -113,7 +124,7 @@ def load_drafter(path: str | Path, target: LoadedModel) -> MoADrafter:
     except (SafetensorError, OSError) as exc:
         raise DrafterError(f"cannot read {path / 'model.safetensors'}: {exc}") from None
     model = target.model
-    drafter = MoADrafter(cfg).to(device=model.device, dtype=model.dtype)
+    drafter = drafter_cls(cfg).to(device=model.device, dtype=model.dtype)
     expected = drafter.state_dict()
     for k, v in state.items():
         if k in expected and v.is_floating_point():

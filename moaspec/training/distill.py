@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moaspec.drafters.base import Drafter
+from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
@@ -74,17 +76,23 @@ class StepOut:
     target_logits: torch.Tensor  # [n, K]
 
 
-def drafter_loss(drafter: MoADrafter, target: Transformer, batch: Batch, masks: Masks, tgt: TargetOut,
+def drafter_loss(drafter: Drafter, target: Transformer, batch: Batch, masks: Masks, tgt: TargetOut,
                  wrapped: torch.nn.Module | None = None) -> StepOut:
     """The paper's loss on response positions; with N > 0 the feature term averages both states.
 
     ``wrapped`` is the drafter as the training framework wrapped it (DDP): its forward
-    must be the one called so that gradients are synchronised.
+    must be the one called so that gradients are synchronised. An EAGLE drafter gets
+    the same loss, teacher-forced on the target's features as EAGLE trains.
     """
     device = tgt.final.device
-    pred = (wrapped or drafter)(batch.tokens.to(device), tgt.token_kv, masks.sa.to(device), masks.ca.to(device))
     sel = masks.loss.to(device)
-    N = drafter.cfg.tli_layers
+    if isinstance(drafter, EagleDrafter):
+        pred = (wrapped or drafter)(batch.tokens.to(device), tgt.final)
+        N = 0
+    else:
+        assert isinstance(drafter, MoADrafter)
+        pred = (wrapped or drafter)(batch.tokens.to(device), tgt.token_kv, masks.sa.to(device), masks.ca.to(device))
+        N = drafter.cfg.tli_layers
     if N:
         B, S = batch.tokens.shape
         L = target.cfg.num_layers

@@ -1,4 +1,4 @@
-"""``moaspec train``: distil a MoA drafter from its target with HF Accelerate.
+"""``moaspec train``: distil a drafter (MoA, or the EAGLE baseline) from its target with HF Accelerate.
 
 The same command runs on one CPU, under ``torchrun``/``accelerate launch`` with several
 processes (gloo on CPUs), or on GPUs with mixed precision. Every process holds the
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from moaspec.drafters.checkpoint import save_drafter, target_identity
+from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
@@ -36,6 +37,7 @@ from moaspec.training.masks import staircase_probability
 
 @dataclass(frozen=True)
 class TrainConfig:
+    kind: str = "moa"  # moa | eagle
     steps: int = 1000  # optimizer updates
     tokens_per_batch: int = 4096  # per micro-batch and process, padding included
     grad_accum: int = 1
@@ -95,14 +97,19 @@ class Trainer:
         self.data_dir = data_dir
         feature_dir = data_dir / "features" / f"{target.fingerprint}-len{cfg.max_len}-tli{cfg.tli_layers}"
         self.features = FeatureStore(target.model, cfg.tli_layers, feature_dir if cfg.cache_features else None)
-        mcfg = MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers, draft_vocab_size=cfg.draft_vocab,
-                                    **(sizes or {}))
         torch.manual_seed(cfg.seed)
-        drafter = MoADrafter(mcfg)
+        drafter: MoADrafter | EagleDrafter
+        if cfg.kind == "moa":
+            drafter = MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers,
+                                                      draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
+        elif cfg.kind == "eagle":
+            drafter = EagleDrafter(EagleConfig.for_target(target.cfg, draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
+        else:
+            raise MoaspecError(f"unknown drafter kind {cfg.kind!r}: choose moa or eagle")
         if cfg.draft_vocab:
             eos = list(target.cfg.eos_token_ids) + list(getattr(target.tokenizer, "all_special_ids", []) or [])
             drafter.set_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, eos, target.cfg.vocab_size))
-        if drafter.out_norm is not None:  # start from the target's own final norm: the feature lives in its output space
+        if isinstance(drafter, MoADrafter) and drafter.out_norm is not None:  # start from the target's own final norm: the feature lives in its output space
             drafter.out_norm.weight.data.copy_(target.model.norm.detach().float())
         drafter = drafter.to(target.model.device)
         drafter.attach(target.model)
@@ -237,13 +244,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss and teacher-forced chain acceptance (drafts matching the target's greedy token)."""
+        """Held-out loss, top-1 agreement with the target's greedy token, and teacher-forced chain acceptance.
+
+        ``val_tau_chain6`` is meaningful for MoA, whose masks keep the target's states
+        out of a segment exactly as at inference; for EAGLE it would be optimistic (it is
+        fed the target's true features inside segments), so it is left out.
+        """
         cfg = self.cfg
         self.model.eval()
         gen = torch.Generator().manual_seed(12345)
         batches = make_batches(self.val_set, cfg.tokens_per_batch, cfg.seed, epoch=0)[: cfg.val_batches]
         mine = batches[self.acc.process_index :: self.acc.num_processes]
-        sums = torch.zeros(6)  # loss·n, kl·n, feature·n, n, accepted drafts, segments
+        sums = torch.zeros(7)  # loss·n, kl·n, feature·n, n, accepted drafts, segments, top-1 matches
         raw = self.acc.unwrap_model(self.model)
         for idx in mine:
             batch = collate([self.val_set[i] for i in idx])
@@ -253,12 +265,13 @@ class Trainer:
                 out = drafter_loss(raw, self.target.model, batch, masks, tgt)
             greedy = full_argmax(self.target.model, tgt.final[masks.loss.to(tgt.final.device)])
             accepted, segments = acceptance_by_offset(out.draft_logits, greedy, raw.to_target_ids, masks)
+            matches = float((raw.to_target_ids(out.draft_logits.argmax(-1)) == greedy).sum())
             n = float(masks.loss.sum())
             sums += torch.tensor([float(out.loss.total) * n, float(out.loss.kl) * n, float(out.loss.feature) * n,
-                                  n, float(accepted), float(segments)])
+                                  n, float(accepted), float(segments), matches])
         sums = self.acc.reduce(sums.to(self.acc.device), reduction="sum").cpu()
         self.model.train()
         n = max(float(sums[3]), 1.0)
         return {"val_loss": round(float(sums[0]) / n, 5), "val_kl": round(float(sums[1]) / n, 5),
-                "val_feature": round(float(sums[2]) / n, 5),
-                "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4)}
+                "val_feature": round(float(sums[2]) / n, 5), "val_top1": round(float(sums[6]) / n, 4),
+                "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4) if cfg.kind == "moa" else ""}
