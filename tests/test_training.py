@@ -172,3 +172,27 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path: Pa
         torch.testing.assert_close(x[1, :3], z[1, :3])
     (tmp_path / "f" / "a.safetensors").write_bytes(b"garbage")  # a damaged file is recomputed, not trusted
     assert torch.equal(store.features(tokens, lengths, ("a", "b")).final, first.final)
+
+
+def test_data_written_during_training_joins_at_the_next_epoch(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    import moaspec.training.datagen as datagen
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    cfg = small(steps=40, save_every=2, eval_every=100)
+    t = Trainer(tiny_llama, data, tmp_path / "run", cfg, progress=False)
+    t.train(until=2)
+    first = dict(t.epoch_shards)
+    usable = datagen.usable_query
+    datagen.usable_query = lambda q: bool(q.strip())
+    try:  # more data arrives while the run is paused
+        generate_dataset(tiny_llama, data, DataConfig(examples=96, shard_size=16, batch_size=16, max_query_tokens=16,
+                                                      max_answer_tokens=48, multi_turn=0.3), progress=False)
+    finally:
+        datagen.usable_query = usable
+    Trainer(tiny_llama, data, tmp_path / "run", cfg, progress=False).train()
+    shards = {int(k): v for k, v in json.loads((tmp_path / "run" / "progress.json").read_text())["epoch_shards"].items()}
+    assert shards[0] == first[0]  # the resumed run replayed epoch 0 as it was
+    assert max(shards.values()) > first[0]  # later epochs include the new shards

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +45,13 @@ def held_out(record_id: str, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def load_examples(data_dir: Path, max_len: int, val_fraction: float) -> tuple[list[Example], list[Example], str]:
-    """Train and held-out examples from every finished shard, plus the data's model fingerprint."""
+def load_examples(data_dir: Path, max_len: int, val_fraction: float,
+                  max_shards: int | None = None) -> tuple[list[Example], list[Example], str]:
+    """Train and held-out examples from the first ``max_shards`` (default: all) finished shards, plus the data's model fingerprint."""
     manifest = read_manifest(data_dir)
     train: list[Example] = []
     val: list[Example] = []
-    for shard in manifest["shards"]:
+    for shard in manifest["shards"][:max_shards]:
         for rec in read_shard(data_dir / shard["file"]):
             prompt, answer = rec["prompt_ids"], rec["answer_ids"]
             if not answer or len(prompt) >= max_len - 1:
@@ -129,11 +130,17 @@ def collate(examples: Sequence[Example]) -> Batch:
                  tuple(e.key for e in examples))
 
 
-def batch_stream(examples: Sequence[Example], tokens_per_batch: int, seed: int, rank: int, world: int,
-                 skip: int = 0) -> Iterator[Batch]:
-    """Endless batches for process ``rank`` of ``world``, epoch after epoch; ``skip`` drops the first ones."""
+def batch_stream(examples_for: Callable[[int], Sequence[Example]], tokens_per_batch: int, seed: int, rank: int,
+                 world: int, skip: int = 0) -> Iterator[Batch]:
+    """Endless batches for process ``rank`` of ``world``, epoch after epoch; ``skip`` drops the first ones.
+
+    ``examples_for(epoch)`` gives each epoch's examples, so that data still being
+    generated joins at the next epoch; it must return the same list whenever it is
+    asked about the same epoch (resuming replays earlier epochs' batch counts).
+    """
     epoch, seen = 0, 0
     while True:
+        examples = examples_for(epoch)
         batches = make_batches(examples, tokens_per_batch, seed, epoch)
         usable = len(batches) - len(batches) % world
         if not usable:

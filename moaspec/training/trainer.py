@@ -6,7 +6,9 @@ frozen target and computes its features on the fly for its own share of the batc
 (on this CPU that is cheaper than reading ~23 KB of cached K/V per token back from
 disk; see BENCHMARKS.md). Progress is resumable exactly: Accelerate's state (drafter,
 optimizer, scheduler, RNGs) plus ``progress.json`` are saved atomically, and batch
-order is a pure function of the seed and epoch.
+order is a pure function of the seed and epoch. Data still being written by
+``moaspec data`` joins the run at the next epoch (``progress.json`` records how many
+shards each epoch used, so a resumed run replays the same epochs).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
-from moaspec.training.dataset import Batch, batch_stream, draft_vocabulary, load_examples, make_batches, collate
+from moaspec.training.dataset import (Batch, Example, batch_stream, collate, draft_vocabulary, load_examples, make_batches,
+                                      read_manifest)
 from moaspec.training.distill import acceptance_by_offset, build_masks, drafter_loss, full_argmax
 from moaspec.training.features import FeatureStore
 from moaspec.training.masks import staircase_probability
@@ -119,6 +122,7 @@ class Trainer:
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg))
         self.model, self.optim, self.sched = self.acc.prepare(drafter, optim, sched)
         self.step, self.tokens, self.wall = 0, 0, 0.0
+        self.epoch_shards: dict[int, int] = {}
         self._resume()
 
     # --- persistence ------------------------------------------------------------------
@@ -139,6 +143,7 @@ class Trainer:
             raise MoaspecError(f"{self.out} holds a run with other settings; resume with the same options or choose a new --output")
         self.acc.load_state(str(self.state_dir))
         self.step, self.tokens, self.wall = saved["step"], saved["tokens"], saved["wall_s"]
+        self.epoch_shards = {int(k): v for k, v in saved.get("epoch_shards", {}).items()}
 
     def save(self, final: bool = False) -> None:
         """Save resumable state, then the exported drafter; both atomically (temp + rename)."""
@@ -158,7 +163,8 @@ class Trainer:
             os.replace(tmp, self.state_dir)
             shutil.rmtree(old, ignore_errors=True)
             atomic_write_text(self.out / "progress.json", json.dumps(
-                {"step": self.step, "tokens": self.tokens, "wall_s": self.wall, "config": asdict(self.cfg)}, indent=1))
+                {"step": self.step, "tokens": self.tokens, "wall_s": self.wall, "config": asdict(self.cfg),
+                 "epoch_shards": self.epoch_shards}, indent=1))
             save_drafter(self.acc.unwrap_model(self.model), self.out / "drafter", target_identity(self.target),
                          self.summary(final))
         self.acc.wait_for_everyone()
@@ -183,6 +189,18 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------
 
+    def examples_for(self, epoch: int) -> list[Example]:
+        """The training examples of ``epoch``: every shard finished when it began (the same on every process)."""
+        from accelerate.utils import broadcast_object_list
+
+        if epoch not in self.epoch_shards:
+            count = [len(read_manifest(self.data_dir)["shards"])]
+            broadcast_object_list(count)  # processes could see different manifests mid-write
+            self.epoch_shards[epoch] = count[0]
+        held = {ex.key for ex in self.val_set}
+        train, _, _ = load_examples(self.data_dir, self.cfg.max_len, self.cfg.val_fraction, self.epoch_shards[epoch])
+        return [ex for ex in train if ex.key not in held]
+
     def micro_batch(self, batch: Batch, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.cfg
         p = staircase_probability(self.step, cfg.steps) if cfg.staircase else 0.0
@@ -199,7 +217,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
-        stream = batch_stream(self.train_set, cfg.tokens_per_batch, cfg.seed, self.acc.process_index,
+        stream = batch_stream(self.examples_for, cfg.tokens_per_batch, cfg.seed, self.acc.process_index,
                               self.acc.num_processes, skip=self.step * cfg.grad_accum)
         gen = torch.Generator()
         bar = tqdm(total=cfg.steps, initial=self.step, unit="step", desc="moaspec train",
