@@ -92,6 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute the target's features every epoch instead of caching them (fp16, ~24 KiB/token for SmolLM2) under DATA/features")
     t.add_argument("--no-progress", action="store_true")
     _add_model_options(t)
+
+    b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
+    b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
+    b.add_argument("--methods", default="vanilla,moa,hf", help="comma list from vanilla, moa, moa-chain, eagle2, hf, hf-pld")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
+    b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
+    b.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
+    b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2")
+    b.add_argument("--chain", type=int, default=6, help="drafts per target forward for moa-chain")
+    b.add_argument("--tree-depth", type=int, default=5)
+    b.add_argument("--tree-top-k", type=int, default=4)
+    b.add_argument("--tree-total", type=int, default=24)
+    b.add_argument("--no-progress", action="store_true")
+    _add_model_options(b)
     return parser
 
 
@@ -238,6 +253,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moaspec.bench.methods import MethodOptions, build_methods
+    from moaspec.bench.run import run_bench, table
+    from moaspec.decoding.tree import TreeShape
+    from moaspec.specbench import load_questions
+
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not names or len(set(names)) != len(names):
+        raise MoaspecError("--methods needs a comma list of distinct methods")
+    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or args.chain < 1:
+        raise MoaspecError("--max-new-tokens, --limit and --chain must be >= 1")
+    questions = load_questions(args.questions, per_file=args.limit)
+    loaded = _load(args)
+    opts = MethodOptions(moa_drafter=args.drafter, eagle_drafter=args.eagle_drafter, chain=args.chain,
+                         tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total))
+    methods = build_methods(names, loaded, opts)
+    summary = run_bench(loaded, questions, methods, args.max_new_tokens, Path(args.output), progress=not args.no_progress)
+    print(table(summary))
+    print(f"answers, summary.json and plots in {args.output}")
+    return 0
+
+
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
@@ -248,7 +287,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return load_model(args.model, device=args.device)
 
 
-COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train}
+COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

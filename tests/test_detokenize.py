@@ -51,3 +51,18 @@ def test_many_tokens_at_once(tok) -> None:  # type: ignore[no-untyped-def]
     d = Detokenizer(tok, stop=["capital"])
     out = d.push(ids) + d.flush()
     assert out == "Paris is the " and d.stopped
+
+
+def test_flush_decodes_a_trailing_incomplete_character(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """Generation can stop in the middle of a multi-byte character: the text still holds every token."""
+    from moaspec.decoding.detokenize import Detokenizer
+
+    tok = tiny_llama.tokenizer
+    ids = tok("ok ☕", add_special_tokens=False)["input_ids"]
+    partial = ids[:-1]
+    whole = tok.decode(partial, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert whole.endswith("\ufffd")  # the cup's bytes are cut
+    for step in (1, len(partial)):  # streamed token by token, or all at once
+        d = Detokenizer(tok)
+        streamed = "".join(d.push(partial[i : i + step]) for i in range(0, len(partial), step)) + d.flush()
+        assert streamed == d.text == whole

@@ -33,13 +33,17 @@ class Detokenizer:
         if self.stopped:
             return ""
         self.tokens.extend(token_ids)
+        self._advance(final=False)
+        return self._release()
+
+    def _advance(self, final: bool) -> None:
+        """Decode the recent window; text ending in an incomplete character waits, unless generation is over."""
         prefix = self._decode(self.tokens[self._prefix_offset : self._read_offset])
         full = self._decode(self.tokens[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.text += full[len(prefix) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.tokens)
-        return self._release()
 
     def _release(self) -> str:
         for s in self.stop:
@@ -60,7 +64,10 @@ class Detokenizer:
         return out
 
     def flush(self) -> str:
-        """At the end of generation: release any held-back text."""
+        """At the end of generation: decode what is left (even an incomplete character) and release it."""
+        if not self.stopped:
+            self._advance(final=True)
+            self._release()
         out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out

@@ -1,0 +1,1 @@
+"""``moaspec bench``: decoding methods compared side by side on SpecBench-format questions."""

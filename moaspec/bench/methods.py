@@ -1,0 +1,112 @@
+"""The decoding methods a benchmark compares, each behind one call: prompt ids → a generation.
+
+moaspec's own decoders (vanilla, MoA and EAGLE-2 drafters with chains or trees) run
+on this project's runtime; transformers' ``generate`` and its built-in accelerators
+run unmodified on the same weights as external peers, with a forward hook counting
+their target calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.detokenize import Detokenizer
+from moaspec.decoding.generation import GenerationResult
+from moaspec.decoding.speculative import generate_chain
+from moaspec.decoding.tree import TreeShape, generate_tree
+from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters.eagle import EagleDrafter
+from moaspec.drafters.moa import MoADrafter
+from moaspec.drafters.proposers import EagleProposer, MoAProposer
+from moaspec.errors import MoaspecError
+from moaspec.models.loading import LoadedModel
+
+Method = Callable[[Sequence[int], int], GenerationResult]
+KNOWN = ("vanilla", "moa", "moa-chain", "eagle2", "hf", "hf-pld")
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    moa_drafter: str | None = None  # default: the shipped one
+    eagle_drafter: str | None = None
+    tree: TreeShape = TreeShape()
+    chain: int = 6
+    pld_tokens: int = 10
+
+
+def _ours(target: LoadedModel, run: Callable[[Sequence[int], GenerationConfig], GenerationResult]) -> Method:
+    def method(prompt: Sequence[int], max_new: int) -> GenerationResult:
+        return run(prompt, GenerationConfig(max_new_tokens=max_new))
+    return method
+
+
+def _hf(target: LoadedModel, hf: object, **kwargs: object) -> Method:
+    """transformers ``generate`` (greedy), its target forwards counted by a hook."""
+    calls = [0]
+    hf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))  # type: ignore[attr-defined]
+    eos = stop_token_ids(target.model, target.tokenizer)
+
+    def method(prompt: Sequence[int], max_new: int) -> GenerationResult:
+        calls[0] = 0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new, do_sample=False,  # type: ignore[attr-defined]
+                              **kwargs)[0, len(prompt):].tolist()
+        total = time.perf_counter() - t0
+        finish = "length"
+        for i, t in enumerate(out):
+            if t in eos:
+                out, finish = out[:i], "eos"
+                break
+        detok = Detokenizer(target.tokenizer)  # the same text rule as moaspec's decoders
+        detok.push(out)
+        detok.flush()
+        text = detok.text
+        return GenerationResult(token_ids=out, text=text, finish_reason=finish, prompt_tokens=len(prompt),
+                                prefill_s=0.0, total_s=total, target_calls=max(0, calls[0] - 1))
+    return method
+
+
+def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions) -> dict[str, Method]:
+    unknown = [n for n in names if n not in KNOWN]
+    if unknown:
+        raise MoaspecError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN)}")
+    model, tok = target.model, target.tokenizer
+    methods: dict[str, Method] = {}
+    moa: MoADrafter | None = None
+    if {"moa", "moa-chain"} & set(names):
+        path = opts.moa_drafter or shipped_drafter(target)
+        if path is None:
+            raise MoaspecError(f"no MoA drafter for {target.path.name}: pass --drafter")
+        loaded = load_drafter(path, target)
+        if not isinstance(loaded, MoADrafter):
+            raise MoaspecError(f"{path} is not a MoA drafter")
+        moa = loaded
+    hf = None
+    for name in names:
+        if name == "vanilla":
+            methods[name] = _ours(target, lambda p, c: generate(model, tok, p, c))
+        elif name == "moa":
+            methods[name] = _ours(target, lambda p, c: generate_tree(model, tok, MoAProposer(moa), p, c, opts.tree))
+        elif name == "moa-chain":
+            methods[name] = _ours(target, lambda p, c: generate_chain(model, tok, MoAProposer(moa), p, c, opts.chain))
+        elif name == "eagle2":
+            if opts.eagle_drafter is None:
+                raise MoaspecError("eagle2 needs --eagle-drafter (train one with `moaspec train --kind eagle`)")
+            eagle = load_drafter(opts.eagle_drafter, target)
+            if not isinstance(eagle, EagleDrafter):
+                raise MoaspecError(f"{opts.eagle_drafter} is not an EAGLE drafter")
+            methods[name] = _ours(target, lambda p, c, e=eagle: generate_tree(model, tok, EagleProposer(e), p, c, opts.tree))
+        else:
+            if hf is None:
+                from transformers import AutoModelForCausalLM
+
+                hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+            methods[name] = _hf(target, hf) if name == "hf" else _hf(target, hf, prompt_lookup_num_tokens=opts.pld_tokens)
+    return methods

@@ -1,0 +1,126 @@
+"""Run decoding methods over SpecBench questions, interleaved per prompt, and summarise them.
+
+Multi-turn questions are answered turn by turn in one conversation (each method
+continues its own conversation). Every method is warmed up first; then, for each
+question, the methods run back to back in an order that rotates from question to
+question, so that machine noise hits all of them alike. Speedups are ratios to
+vanilla decoding measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from moaspec.bench.methods import Method
+from moaspec.chat import encode_chat
+from moaspec.fileio import atomic_write_text
+from moaspec.models.loading import LoadedModel
+from moaspec.specbench import Question
+
+
+def answer_question(target: LoadedModel, method: Method, q: Question, max_new: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, str]] = []
+    turns = []
+    for t, text in enumerate(q.turns):
+        messages.append({"role": "user", "content": text})
+        ids = encode_chat(target.tokenizer, messages)
+        budget = min(max_new, target.cfg.max_position_embeddings - len(ids))
+        if budget < 1:
+            break  # the conversation no longer fits the context window
+        r = method(ids, budget)
+        messages.append({"role": "assistant", "content": r.text})
+        calls = r.target_calls
+        produced = sum(r.accepted_lengths) if r.accepted_lengths else max(0, r.new_tokens - 1)
+        turns.append({"turn": t, "new_tokens": r.new_tokens, "wall_s": r.total_s, "target_calls": calls,
+                      "verified_tokens": produced, "accepted_lengths": r.accepted_lengths,
+                      "token_ids": r.token_ids, "text": r.text})
+    return turns
+
+
+def summarise(rows: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
+    """Per method, per category and overall: speed, speedup vs vanilla, τ, calls, tokens, mismatches."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by[(r["method"], r["category"])].append(r)
+        by[(r["method"], "overall")].append(r)
+    vanilla_ids = {(r["question_id"], r["category"]): [t["token_ids"] for t in r["turns"]]
+                   for r in rows if r["method"] == "vanilla"}
+    categories = sorted({r["category"] for r in rows}) + ["overall"]
+    out: dict[str, Any] = {}
+    for m in methods:
+        out[m] = {}
+        for c in categories:
+            rs = by.get((m, c), [])
+            turns = [t for r in rs for t in r["turns"]]
+            new = sum(t["new_tokens"] for t in turns)
+            wall = sum(t["wall_s"] for t in turns)
+            calls = sum(t["target_calls"] for t in turns)
+            verified = sum(t["verified_tokens"] for t in turns)
+            mismatches = None
+            if vanilla_ids:
+                mismatches = sum(1 for r in rs if [t["token_ids"] for t in r["turns"]] != vanilla_ids.get((r["question_id"], r["category"])))
+            out[m][c] = {"tokens_per_s": round(new / wall, 3) if wall else 0.0, "tau": round(verified / calls, 3) if calls else 0.0,
+                         "target_calls": calls, "new_tokens": new, "wall_s": round(wall, 3),
+                         "greedy_mismatches": mismatches, "prompts": len(rs)}
+    if "vanilla" in methods:
+        for m in methods:
+            for c in categories:
+                base = out["vanilla"][c]["tokens_per_s"]
+                out[m][c]["speedup"] = round(out[m][c]["tokens_per_s"] / base, 3) if base else None
+    return out
+
+
+def accepted_histograms(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, int]]:
+    hist: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for r in rows:
+        for t in r["turns"]:
+            for a in t["accepted_lengths"]:
+                hist[r["method"]][a] += 1
+    return {m: dict(sorted(h.items())) for m, h in hist.items()}
+
+
+def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[str, Method], max_new: int,
+              output: Path, progress: bool = True) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from moaspec.chat import chat_messages
+
+    names = list(methods)
+    warm = encode_chat(target.tokenizer, chat_messages("Say hello."))
+    for m in names:
+        methods[m](warm, 16)
+    rows: list[dict[str, Any]] = []
+    bar = tqdm(total=len(questions) * len(names), unit="answer", desc="moaspec bench", disable=not progress)
+    for i, q in enumerate(questions):
+        for m in names[i % len(names):] + names[: i % len(names)]:
+            rows.append({"method": m, "category": q.category, "question_id": q.question_id,
+                         "turns": answer_question(target, methods[m], q, max_new)})
+            bar.update(1)
+    bar.close()
+    summary = {"methods": names, "max_new_tokens": max_new, "questions": len(questions),
+               "results": summarise(rows, names), "accepted_histogram": accepted_histograms(rows)}
+    output.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(output / "answers.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    atomic_write_text(output / "summary.json", json.dumps(summary, indent=1))
+    from moaspec.bench.plots import save_plots
+
+    save_plots(summary, output)
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    res = summary["results"]
+    cats = list(next(iter(res.values())))
+    lines = [f"{'method':<11}{'category':<12}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'calls':>7}{'tokens':>8}{'mismatch':>9}"]
+    for m, per in res.items():
+        for c in cats:
+            r = per[c]
+            sp = f"{r['speedup']:.2f}" if r.get("speedup") is not None else "-"
+            mm = "-" if r["greedy_mismatches"] is None else str(r["greedy_mismatches"])
+            lines.append(f"{m:<11}{c:<12}{r['tokens_per_s']:>8.1f}{sp:>9}{r['tau']:>7.2f}{r['target_calls']:>7}"
+                         f"{r['new_tokens']:>8}{mm:>9}")
+    return "\n".join(lines)

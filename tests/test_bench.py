@@ -1,0 +1,67 @@
+"""`moaspec bench` on a tiny model: every method answers every turn, the summary has what the issue asks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moaspec.cli import main
+from moaspec.drafters.checkpoint import save_drafter, target_identity
+from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+from moaspec.drafters.moa import MoAConfig, MoADrafter
+
+
+@pytest.fixture()
+def setup(tiny_llama, tmp_path: Path) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    qdir = tmp_path / "questions"
+    qdir.mkdir()
+    (qdir / "mt_bench.jsonl").write_text(
+        json.dumps({"question_id": 1, "category": "writing", "turns": ["Write a line.", "Now shorter."]}) + "\n")
+    (qdir / "qa.jsonl").write_text("".join(json.dumps({"question_id": i, "turns": [f"What is {i}?"]}) + "\n" for i in range(3)))
+    torch.manual_seed(0)
+    moa = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
+    eagle = EagleDrafter(EagleConfig.for_target(tiny_llama.cfg))
+    return {
+        "questions": qdir,
+        "moa": save_drafter(moa, tmp_path / "moa", target_identity(tiny_llama)),
+        "eagle": save_drafter(eagle, tmp_path / "eagle", target_identity(tiny_llama)),
+    }
+
+
+def test_bench_writes_summary_answers_and_plots(tiny_dirs, setup, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(tiny_dirs["llama"]), "--questions", str(setup["questions"]),
+               "--methods", "vanilla,moa,moa-chain,eagle2,hf,hf-pld", "--max-new-tokens", "12", "--limit", "2",
+               "--output", str(out), "--drafter", str(setup["moa"]), "--eagle-drafter", str(setup["eagle"]),
+               "--no-progress"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    res = summary["results"]
+    assert set(res) == {"vanilla", "moa", "moa-chain", "eagle2", "hf", "hf-pld"}
+    for m, per in res.items():
+        assert set(per) == {"mt_bench", "qa", "overall"}
+        o = per["overall"]
+        assert set(o) >= {"tokens_per_s", "speedup", "tau", "target_calls", "new_tokens", "wall_s", "greedy_mismatches"}
+        assert o["greedy_mismatches"] == 0, m  # every method is greedy-lossless, transformers' included
+        assert o["prompts"] == 3 and o["new_tokens"] > 0
+    assert res["vanilla"]["overall"]["speedup"] == 1.0
+    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 6
+    assert all(len(r["turns"]) == (2 if r["category"] == "mt_bench" else 1) for r in rows)
+    assert (out / "speedup.png").stat().st_size > 0 and (out / "accepted_lengths.png").stat().st_size > 0
+    assert "moa-chain" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "vanilla,warp"], "unknown method"),
+    (["--methods", "vanilla,vanilla"], "distinct"),
+    (["--methods", "eagle2"], "needs --eagle-drafter"),
+    (["--limit", "0"], ">= 1"),
+])
+def test_bench_rejects_bad_options(tiny_dirs, setup, tmp_path: Path, capsys, argv, message) -> None:  # type: ignore[no-untyped-def]
+    rc = main(["bench", "--model", str(tiny_dirs["llama"]), "--questions", str(setup["questions"]),
+               "--output", str(tmp_path / "b"), *argv])
+    assert rc == 2 and message in capsys.readouterr().err
