@@ -65,9 +65,10 @@ class Detokenizer:
 
     def flush(self) -> str:
         """At the end of generation: decode what is left (even an incomplete character) and release it."""
+        out = ""
         if not self.stopped:
             self._advance(final=True)
-            self._release()
-        out = self.text[self.emitted :]
+            out = self._release()
+        out += self.text[self.emitted :]
         self.emitted = len(self.text)
         return out
