@@ -23,12 +23,7 @@ def save_plots(summary: dict[str, Any], output: Path) -> list[Path]:
             ax.bar([c + i * width for c in range(len(cats))], [res[m][c]["speedup"] for c in cats], width, label=m)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(cats))], cats, rotation=20)
-        ax.set_ylabel("speedup vs vanilla (tokens/s)")
-        ax.legend()
-        fig.tight_layout()
-        written.append(output / "speedup.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(_save(fig, ax, "speedup vs vanilla (tokens/s)", output / "speedup.png"))
     hist = summary.get("accepted_histogram", {})
     if hist:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -37,10 +32,16 @@ def save_plots(summary: dict[str, Any], output: Path) -> list[Path]:
             ks = sorted(int(k) for k in h)
             ax.plot(ks, [h[k] / total for k in ks], marker="o", label=m)
         ax.set_xlabel("tokens added per target forward")
-        ax.set_ylabel("fraction of target forwards")
-        ax.legend()
-        fig.tight_layout()
-        written.append(output / "accepted_lengths.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(_save(fig, ax, "fraction of target forwards", output / "accepted_lengths.png"))
     return written
+
+
+def _save(fig, ax, ylabel: str, path: Path) -> Path:  # type: ignore[no-untyped-def]
+    import matplotlib.pyplot as plt
+
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,10 +21,58 @@ import torch
 from moaspec.chat import check_fits
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback, TokenSink
 from moaspec.decoding.proposer import Proposer
-from moaspec.decoding.sampling import probabilities, select_token
+from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.decoding.verify import verify_greedy, verify_sampling
+from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
+
+
+@dataclass
+class Run:
+    """One speculative generation's state after the prefill, shared by the chain and tree loops."""
+
+    model: Transformer
+    cache: KVCache
+    sink: TokenSink
+    params: SamplingParams
+    generator: torch.Generator
+    tokens: list[int]  # prompt, then every verified token (the newest has no K/V in the cache yet)
+    prompt_tokens: int
+    budget: int
+    t0: float
+    prefill_s: float
+    accepted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+
+    def result(self) -> GenerationResult:
+        text = self.sink.close()
+        return GenerationResult(
+            token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish, prompt_tokens=self.prompt_tokens,
+            prefill_s=self.prefill_s, total_s=time.perf_counter() - self.t0, target_calls=len(self.accepted),
+            accepted_lengths=self.accepted, draft_s=self.draft_s,
+        )
+
+
+def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_ids: Sequence[int],
+          config: GenerationConfig, room: int, on_text: TextCallback | None, on_piece: PieceCallback | None) -> Run:
+    """Check the prompt, prefill it, pick the first token, and start the proposer.
+
+    ``room`` is how many positions past the budget a verification may write.
+    """
+    context = model.cfg.max_position_embeddings
+    check_fits(len(prompt_ids), context)
+    budget = min(config.max_new_tokens, context - len(prompt_ids))
+    cache = model.new_cache(min(len(prompt_ids) + budget + room, context))
+    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece)
+    gen = config.sampling.generator(model.device)
+    t0 = time.perf_counter()
+    out = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None))
+    tokens = list(prompt_ids) + [select_token(out.logits[0, -1], config.sampling, gen)]
+    run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0)
+    if not sink.push(tokens[-1:]):
+        proposer.begin(cache, out.hidden[0])
+    return run
 
 
 def generate_chain(
@@ -41,45 +90,25 @@ def generate_chain(
     ``on_text`` streams the text; ``on_piece`` instead receives each piece with whether
     it came from accepted drafts (``--show-drafts``).
     """
+    run = start(model, tokenizer, proposer, prompt_ids, config, draft_len + 1, on_text, on_piece)
+    cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
     context = model.cfg.max_position_embeddings
-    check_fits(len(prompt_ids), context)
-    budget = min(config.max_new_tokens, context - len(prompt_ids))
-    capacity = min(len(prompt_ids) + budget + draft_len + 1, context)
-    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece)
-    params = config.sampling
-    gen = params.generator(model.device)
-    cache = model.new_cache(capacity)
-    t0 = time.perf_counter()
-    out = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None))
-    tokens = list(prompt_ids) + [select_token(out.logits[0, -1], params, gen)]
-    prefill_s = time.perf_counter() - t0
-    accepted: list[int] = []
-    draft_s = 0.0
-    if not sink.push(tokens[-1:]):
-        proposer.begin(cache, out.hidden[0])
-    while not sink.done:
+    while not run.sink.done:
         # never draft past the context window or far past the token budget
-        n = max(0, min(draft_len, context - len(tokens) - 1, budget - len(sink.tokens)))
+        n = max(0, min(draft_len, context - len(tokens) - 1, run.budget - len(run.sink.tokens)))
         t1 = time.perf_counter()
         proposal = proposer.propose(tokens, n, params, gen)
-        draft_s += time.perf_counter() - t1
-        start = cache.length
-        block = torch.tensor([[tokens[-1]] + proposal.tokens.tolist()], device=model.device)
-        out = model(block, cache)
-        target_logits = out.logits[0]
+        run.draft_s += time.perf_counter() - t1
+        n_cached = cache.length
+        out = model(torch.tensor([[tokens[-1]] + proposal.tokens.tolist()], device=model.device), cache)
         if params.greedy:
-            verdict = verify_greedy(proposal.tokens, target_logits)
+            verdict = verify_greedy(proposal.tokens, out.logits[0])
         else:
-            verdict = verify_sampling(proposal.tokens, proposal.probs, probabilities(target_logits, params), gen)
+            verdict = verify_sampling(proposal.tokens, proposal.probs, probabilities(out.logits[0], params), gen)
         new = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
-        cache.truncate(start + 1 + verdict.accepted)
+        cache.truncate(n_cached + 1 + verdict.accepted)
         tokens += new
-        accepted.append(len(new))
-        if not sink.push(new, drafted=verdict.accepted):
+        run.accepted.append(len(new))
+        if not run.sink.push(new, drafted=verdict.accepted):
             proposer.commit(cache.length, hidden=out.hidden[0, : len(new)])
-    text = sink.close()
-    total = time.perf_counter() - t0
-    return GenerationResult(
-        token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
-        prefill_s=prefill_s, total_s=total, target_calls=len(accepted), accepted_lengths=accepted, draft_s=draft_s,
-    )
+    return run.result()

@@ -20,10 +20,9 @@ from typing import Any, Protocol
 
 import torch
 
-from moaspec.chat import check_fits
-from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback, TokenSink
-from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
-from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
+from moaspec.decoding.sampling import probabilities
+from moaspec.decoding.speculative import start
 from moaspec.decoding.verify import verify_tree
 from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
@@ -78,29 +77,16 @@ def generate_tree(
     on_piece: PieceCallback | None = None,
 ) -> GenerationResult:
     """Decode with one draft tree per target forward."""
-    context = model.cfg.max_position_embeddings
-    check_fits(len(prompt_ids), context)
-    budget = min(config.max_new_tokens, context - len(prompt_ids))
     # room for the verified tree, and for the expanded nodes a drafter with TLI writes into the cache
-    capacity = min(len(prompt_ids) + budget + max(shape.total, 1 + shape.depth * shape.top_k) + 1, context)
-    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece)
-    params: SamplingParams = config.sampling
-    gen = params.generator(model.device)
-    cache = model.new_cache(capacity)
-    t0 = time.perf_counter()
-    out = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None))
-    tokens = list(prompt_ids) + [select_token(out.logits[0, -1], params, gen)]
-    prefill_s = time.perf_counter() - t0
-    accepted: list[int] = []
-    draft_s = 0.0
-    if not sink.push(tokens[-1:]):
-        proposer.begin(cache, out.hidden[0])
-    while not sink.done:
+    room = max(shape.total, 1 + shape.depth * shape.top_k) + 1
+    run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece)
+    cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
+    while not run.sink.done:
         n = cache.length
-        room = capacity - n  # the tree must fit the cache (and the context window)
+        fits = cache.capacity - n  # the tree must fit the cache (and the context window)
         t1 = time.perf_counter()
-        tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, max(1, min(shape.total, room))))
-        draft_s += time.perf_counter() - t1
+        tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, max(1, min(shape.total, fits))))
+        run.draft_s += time.perf_counter() - t1
         mask = tree_mask(n, tree.ancestors().to(model.device))
         out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device), mask=mask)
         scores = out.logits[0] if params.greedy else probabilities(out.logits[0], params)
@@ -109,12 +95,7 @@ def generate_tree(
         cache.compact(n, kept)
         new = [int(tree.tokens[i]) for i in path] + [nxt]
         tokens += new
-        accepted.append(len(new))
-        if not sink.push(new, drafted=len(path)):
+        run.accepted.append(len(new))
+        if not run.sink.push(new, drafted=len(path)):
             proposer.commit(cache.length, path, out.hidden[0, kept.to(out.hidden.device)])
-    text = sink.close()
-    return GenerationResult(
-        token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
-        prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=len(accepted),
-        accepted_lengths=accepted, draft_s=draft_s,
-    )
+    return run.result()
