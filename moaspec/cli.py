@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
     t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")
     t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: 1.5x its input)")
+    t.add_argument("--init-from", default="", help="start from this exported drafter (RUN/drafter) instead of random weights")
     t.add_argument("--no-feature-cache", action="store_true",
                    help="recompute the target's features every epoch instead of caching them (fp16, ~24 KiB/token for SmolLM2) under DATA/features")
     t.add_argument("--no-progress", action="store_true")
@@ -237,7 +238,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         warmup=args.warmup, max_len=args.max_len, segment_min=args.segment_min, segment_max=args.segment_max,
         staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
-        mixed_precision=args.mixed_precision, cache_features=not args.no_feature_cache,
+        mixed_precision=args.mixed_precision, cache_features=not args.no_feature_cache, init_from=args.init_from,
     )
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:

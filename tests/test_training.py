@@ -196,3 +196,17 @@ def test_data_written_during_training_joins_at_the_next_epoch(tiny_llama, tiny_d
     shards = {int(k): v for k, v in json.loads((tmp_path / "run" / "progress.json").read_text())["epoch_shards"].items()}
     assert shards[0] == first[0]  # the resumed run replayed epoch 0 as it was
     assert max(shards.values()) > first[0]  # later epochs include the new shards
+
+
+def test_warm_start_from_an_exported_drafter(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.drafters.checkpoint import load_drafter
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "a", small(steps=10), progress=False).train()
+    first = load_drafter(tmp_path / "a" / "drafter", tiny_llama)
+    t = Trainer(tiny_llama, tiny_data, tmp_path / "b", small(steps=2, init_from=str(tmp_path / "a" / "drafter")), progress=False)
+    for (k, a), (_, b) in zip(sorted(t.raw.state_dict().items()), sorted(first.state_dict().items())):
+        torch.testing.assert_close(a, b.to(a.dtype), msg=k)  # starts exactly where the first run ended
+    t.train()
+    with pytest.raises(MoaspecError, match="not a eagle drafter"):
+        Trainer(tiny_llama, tiny_data, tmp_path / "c", small(kind="eagle", init_from=str(tmp_path / "a" / "drafter")),
+                progress=False)

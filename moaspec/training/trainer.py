@@ -62,6 +62,7 @@ class TrainConfig:
     seed: int = 0
     mixed_precision: str = "auto"  # auto | no | fp16 | bf16
     cache_features: bool = True  # keep the target's features on disk after their first computation
+    init_from: str = ""  # start from this exported drafter instead of random weights
 
 
 def lr_lambda(cfg: TrainConfig):  # type: ignore[no-untyped-def]
@@ -102,17 +103,19 @@ class Trainer:
         self.features = FeatureStore(target.model, cfg.tli_layers, feature_dir if cfg.cache_features else None)
         torch.manual_seed(cfg.seed)
         drafter: MoADrafter | EagleDrafter
-        if cfg.kind == "moa":
+        if cfg.init_from:
+            drafter = self._warm_start(target, Path(cfg.init_from))
+        elif cfg.kind == "moa":
             drafter = MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers,
                                                       draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
         elif cfg.kind == "eagle":
             drafter = EagleDrafter(EagleConfig.for_target(target.cfg, draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
         else:
             raise MoaspecError(f"unknown drafter kind {cfg.kind!r}: choose moa or eagle")
-        if cfg.draft_vocab:
+        if cfg.draft_vocab and not cfg.init_from:
             eos = list(target.cfg.eos_token_ids) + list(getattr(target.tokenizer, "all_special_ids", []) or [])
             drafter.set_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, eos, target.cfg.vocab_size))
-        if isinstance(drafter, MoADrafter) and drafter.out_norm is not None:  # start from the target's own final norm: the feature lives in its output space
+        if isinstance(drafter, MoADrafter) and drafter.out_norm is not None and not cfg.init_from:  # start from the target's own final norm: the feature lives in its output space
             drafter.out_norm.weight.data.copy_(target.model.norm.detach().float())
         drafter = drafter.to(target.model.device)
         drafter.attach(target.model)
@@ -124,6 +127,18 @@ class Trainer:
         self.step, self.tokens, self.wall = 0, 0, 0.0
         self.epoch_shards: dict[int, int] = {}
         self._resume()
+
+    def _warm_start(self, target: LoadedModel, path: Path) -> MoADrafter | EagleDrafter:
+        """Continue from an exported drafter (its architecture and draft vocabulary), e.g. on more data."""
+        from moaspec.drafters.checkpoint import load_drafter
+
+        drafter = load_drafter(path, target)
+        if not isinstance(drafter, (MoADrafter, EagleDrafter)) or (isinstance(drafter, MoADrafter)) != (self.cfg.kind == "moa"):
+            raise MoaspecError(f"--init-from {path} is not a {self.cfg.kind} drafter")
+        if drafter.cfg.draft_vocab_size != self.cfg.draft_vocab or getattr(drafter.cfg, "tli_layers", 0) != self.cfg.tli_layers:
+            raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size} and TLI "
+                               f"{getattr(drafter.cfg, 'tli_layers', 0)}; pass the same --draft-vocab and --tli-layers")
+        return drafter.float().requires_grad_(True)
 
     # --- persistence ------------------------------------------------------------------
 
