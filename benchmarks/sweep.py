@@ -25,9 +25,9 @@ from moaspec.models import load_model
 from moaspec.specbench import load_questions
 
 REPO = Path(__file__).resolve().parent.parent
-CHAINS = [3, 4, 5, 6, 8]
-TREES = [TreeShape(3, 2, 8), TreeShape(4, 3, 12), TreeShape(5, 3, 16), TreeShape(5, 4, 24), TreeShape(6, 4, 32), TreeShape(6, 8, 48)]
-VOCABS = [2048, 4096, 8192]
+CHAINS = [1, 2, 3, 4, 6]
+TREES = [TreeShape(2, 2, 4), TreeShape(3, 2, 8), TreeShape(4, 3, 12), TreeShape(5, 4, 24)]
+VOCABS = [4096]
 
 
 def main() -> None:
@@ -55,8 +55,8 @@ def main() -> None:
     for s in TREES:
         configs[f"tree-{s.depth}x{s.top_k}-{s.total}"] = lambda ids, s=s: generate_tree(m, tok, MoAProposer(full), ids, cfg, s)
     for k, d in vocabs.items():
-        configs[f"tree-5x4-24-v{k}"] = lambda ids, d=d: generate_tree(m, tok, MoAProposer(d), ids, cfg, TreeShape(5, 4, 24))
-        configs[f"chain-5-v{k}"] = lambda ids, d=d: generate_chain(m, tok, MoAProposer(d), ids, cfg, 5)
+        configs[f"tree-3x2-8-v{k}"] = lambda ids, d=d: generate_tree(m, tok, MoAProposer(d), ids, cfg, TreeShape(3, 2, 8))
+        configs[f"chain-2-v{k}"] = lambda ids, d=d: generate_chain(m, tok, MoAProposer(d), ids, cfg, 2)
 
     prompts = [encode_chat(tok, chat_messages(q.turns[0])) for q in load_questions(args.questions, per_file=args.per_file)]
     names = list(configs)
