@@ -32,6 +32,21 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _default_chain() -> int:
+    from moaspec.decoding.speculative import DEFAULT_CHAIN
+
+    return DEFAULT_CHAIN
+
+
+def _add_tree_options(p: argparse.ArgumentParser) -> None:
+    from moaspec.decoding.tree import TreeShape
+
+    d = TreeShape()
+    p.add_argument("--tree-depth", type=int, default=d.depth, help=f"tree levels below the newest token (default {d.depth})")
+    p.add_argument("--tree-top-k", type=int, default=d.top_k, help=f"nodes expanded per level and children per node (default {d.top_k})")
+    p.add_argument("--tree-total", type=int, default=d.total, help=f"tree nodes verified per target forward (default {d.total})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moaspec", description="Mixture of Attentions speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,11 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, tau, timings) instead of streaming")
     g.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the one shipped for the target)")
     g.add_argument("--no-draft", action="store_true", help="plain decoding, one target forward per token")
-    g.add_argument("--chain", type=int, default=6, metavar="T", help="chain drafting: T drafts per target forward (default 6)")
+    g.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
+                   help=f"chain drafting: T drafts per target forward (default {_default_chain()}, measured best here; see BENCHMARKS.md)")
     g.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
-    g.add_argument("--tree-depth", type=int, default=5, help="tree levels below the newest token")
-    g.add_argument("--tree-top-k", type=int, default=4, help="nodes expanded per level and children per node")
-    g.add_argument("--tree-total", type=int, default=24, help="tree nodes verified per target forward")
+    _add_tree_options(g)
     g.add_argument("--show-drafts", action="store_true", help="colour the text that came from accepted drafts")
     _add_model_options(g)
     _add_generation_options(g)
@@ -102,10 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
     b.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
     b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2")
-    b.add_argument("--chain", type=int, default=6, help="drafts per target forward for moa-chain")
-    b.add_argument("--tree-depth", type=int, default=5)
-    b.add_argument("--tree-top-k", type=int, default=4)
-    b.add_argument("--tree-total", type=int, default=24)
+    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain")
+    _add_tree_options(b)
     b.add_argument("--no-progress", action="store_true")
     _add_model_options(b)
     return parser

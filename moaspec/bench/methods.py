@@ -17,7 +17,7 @@ import torch
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationResult
-from moaspec.decoding.speculative import generate_chain
+from moaspec.decoding.speculative import DEFAULT_CHAIN, generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
@@ -36,7 +36,7 @@ class MethodOptions:
     moa_drafter: str | None = None  # default: the shipped one
     eagle_drafter: str | None = None
     tree: TreeShape = TreeShape()
-    chain: int = 6
+    chain: int = DEFAULT_CHAIN
     pld_tokens: int = 10
 
 

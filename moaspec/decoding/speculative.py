@@ -28,6 +28,11 @@ from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
 
 
+# Tuned on this CPU with the shipped drafter (benchmarks/sweep.py, BENCHMARKS.md): with its
+# acceptance, longer chains cost more drafting than they save.
+DEFAULT_CHAIN = 2
+
+
 @dataclass
 class Run:
     """One speculative generation's state after the prefill, shared by the chain and tree loops."""
@@ -81,7 +86,7 @@ def generate_chain(
     proposer: Proposer,
     prompt_ids: Sequence[int],
     config: GenerationConfig = GenerationConfig(),
-    draft_len: int = 6,
+    draft_len: int = DEFAULT_CHAIN,
     on_text: TextCallback | None = None,
     on_piece: PieceCallback | None = None,
 ) -> GenerationResult:
