@@ -186,7 +186,8 @@ class Trainer:
 
     def summary(self, final: bool) -> dict[str, Any]:
         return {
-            "data": str(self.data_dir), "train_examples": len(self.train_set), "val_examples": len(self.val_set),
+            "data": str(self.data_dir), "first_epoch_train_examples": len(self.train_set),
+            "val_examples": len(self.val_set), "epoch_shards": self.epoch_shards,
             "steps": self.step, "tokens": self.tokens, "wall_s": round(self.wall, 1), "finished": final,
             "processes": self.acc.num_processes, "config": asdict(self.cfg), "last_val": getattr(self, "last_val", None),
         }
