@@ -2,6 +2,8 @@
 
 Every first turn of SpecBench's first ``MOASPEC_LOSSLESS_PER_FILE`` questions per
 category (default 5: 30 prompts, as CI runs it; 40 runs all 240), 64 new tokens each.
+SpecBench is looked for in ``$MOASPEC_SPECBENCH``, then ``../shared/specbench``; a
+machine without it runs the check on ten built-in prompts of the same kinds instead.
 """
 
 from __future__ import annotations
@@ -24,8 +26,23 @@ from moaspec.specbench import load_questions
 
 pytestmark = pytest.mark.real
 
-SPECBENCH = Path(__file__).resolve().parents[2] / "shared" / "specbench"
+REPO = Path(__file__).resolve().parents[1]
+SPECBENCH_CANDIDATES = [Path(p) for p in [os.environ.get("MOASPEC_SPECBENCH", "")] if p] + [
+    REPO.parent / "shared" / "specbench", Path("/work/shared/specbench")]
 PER_FILE = int(os.environ.get("MOASPEC_LOSSLESS_PER_FILE", "5"))
+# Used only where no SpecBench copy exists (a CI machine without ../shared): varied first turns of the same kinds.
+FALLBACK_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, with a docstring.",
+    "Explain how a hash map works and what its average lookup cost is.",
+    "A shop sells pens at 3 dollars each. Tom buys 7 pens and pays with a 50 dollar note. How much change does he get?",
+    "If a train travels 120 km in 1.5 hours, what is its average speed? Show your steps.",
+    "Summarise in two sentences: The city council voted on Tuesday to expand the bike lane network, citing safety data.",
+    "What is the capital of Australia, and why was it chosen?",
+    "Who wrote Pride and Prejudice, and when was it published?",
+    "Write a short poem about autumn leaves.",
+    "Give three tips for staying focused while studying.",
+    "Compose a polite email asking a colleague to review a report by Friday.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +53,11 @@ def drafter(real_model):  # type: ignore[no-untyped-def]
 
 
 def first_turns() -> list[tuple[str, str]]:
-    if not SPECBENCH.is_dir():
-        pytest.skip(f"{SPECBENCH} is not present")
-    return [(f"{q.category}/{q.question_id}", q.turns[0]) for q in load_questions(SPECBENCH, per_file=PER_FILE)]
+    """SpecBench's first turns where a copy exists, else the fallback prompts (so CI always runs the check)."""
+    for path in SPECBENCH_CANDIDATES:
+        if path.is_dir():
+            return [(f"{q.category}/{q.question_id}", q.turns[0]) for q in load_questions(path, per_file=PER_FILE)]
+    return [(f"fallback/{i}", p) for i, p in enumerate(FALLBACK_PROMPTS)]
 
 
 def test_shipped_drafter_fits_the_budget(real_model, drafter) -> None:  # type: ignore[no-untyped-def]
