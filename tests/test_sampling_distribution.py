@@ -81,10 +81,10 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
             r = generate_chain(model, tok, proposers["moa"](), PROMPT, cfg, draft_len=3)
         else:
             proposer = proposers["eagle" if method == "eagle-tree" else "moa"]()
-            r = generate_tree(model, tok, proposer, PROMPT, cfg, TreeShape(depth=2, top_k=2, total=5))
+            r = generate_tree(model, tok, proposer, PROMPT, cfg, TreeShape(depth=2, top_k=4, total=9))
         got2[r.token_ids[1]] += 1
         got3[r.token_ids[2]] += 1
         accepted += sum(r.accepted_lengths) - len(r.accepted_lengths)
-    assert accepted > runs // 10, "the drafter's proposals must be accepted sometimes for the test to mean anything"
+    assert accepted > runs // 10, f"{accepted} accepted drafts: the drafter's proposals must be accepted sometimes for the test to mean anything"
     assert chi_square_p(got2, want2) > 1e-3
     assert chi_square_p(got3, want3) > 1e-3
