@@ -8,7 +8,6 @@ produces (token 1 comes from the prefill).
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

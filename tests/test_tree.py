@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from moaspec.decoding import GenerationConfig, SamplingParams, generate
-from moaspec.decoding.sampling import probabilities
+from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.tree import DraftTree, TreeShape, generate_tree
 from moaspec.decoding.verify import verify_tree
 from moaspec.models.kv_cache import KVCache
