@@ -108,6 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     _add_model_options(t)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with MoA acceleration and a chat page at /")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $MOASPEC_API_KEY; unset = no authentication)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the model file)")
+    s.add_argument("--parallel", type=int, default=2, help="requests decoded at once, each on its own thread and caches (default 2)")
+    s.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
+    s.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default 1 MiB)")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the one shipped for the target)")
+    s.add_argument("--no-draft", action="store_true", help="plain decoding")
+    s.add_argument("--chain", type=int, default=_default_chain(), metavar="T", help="drafts per target forward (chain drafting)")
+    s.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
+    _add_tree_options(s)
+    _add_model_options(s)
+
     b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
     b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     b.add_argument("--methods", default="vanilla,moa,hf", help="comma list from vanilla, moa, moa-chain, eagle2, hf, hf-pld")
@@ -142,7 +160,7 @@ def _read_messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from moaspec.chat import chat_messages, encode_chat, encode_text
-    from moaspec.decoding import GenerationConfig, SamplingParams, generate
+    from moaspec.decoding import GenerationConfig, SamplingParams
     from moaspec.errors import PromptError
 
     messages = _read_messages(args)
@@ -172,41 +190,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     def coloured(text: str, drafted: bool) -> None:
         stream(f"{DRAFT_COLOUR}{text}{RESET}" if drafted else text)
 
-    drafter = None
-    if not args.no_draft:
-        from moaspec.drafters import load_drafter, shipped_drafter
-
-        if args.chain < 1:
-            raise MoaspecError("--chain must be >= 1")
-        path = args.drafter or shipped_drafter(loaded)
-        if path is None:
-            print(f"moaspec: no drafter ships for {loaded.path.name}; decoding without drafts "
-                  "(train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
-        else:
-            drafter = load_drafter(path, loaded)
-    if drafter is None:
-        result = generate(loaded.model, loaded.tokenizer, ids, config, on_text=None if args.json else stream)
-    else:
-        from moaspec.decoding.speculative import generate_chain
-        from moaspec.decoding.tree import TreeShape, generate_tree
-        from moaspec.drafters.proposers import MoAProposer
-
-        if args.show_drafts and not args.json:
-            print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)
-        on_text = None if args.json else stream
-        on_piece = coloured if args.show_drafts and not args.json else None
-        if args.tree:
-            shape = TreeShape(args.tree_depth, args.tree_top_k, args.tree_total)
-            result = generate_tree(loaded.model, loaded.tokenizer, MoAProposer(drafter), ids, config, shape,
-                                   on_text=on_text, on_piece=on_piece)
-        else:
-            result = generate_chain(loaded.model, loaded.tokenizer, MoAProposer(drafter), ids, config,
-                                    draft_len=args.chain, on_text=on_text, on_piece=on_piece)
+    strategy = _strategy(args, loaded)
+    if args.show_drafts and not args.json and strategy.drafter is not None:
+        print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)
+    result = strategy.run(loaded, ids, config, on_text=None if args.json else stream,
+                          on_piece=coloured if args.show_drafts and not args.json else None)
     if args.json:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
+    """The decoding the options ask for: the given or shipped drafter, chain or tree; or none."""
+    from moaspec.decoding.strategy import Strategy
+    from moaspec.decoding.tree import TreeShape
+    from moaspec.drafters import load_drafter, shipped_drafter
+
+    if args.no_draft:
+        return Strategy()
+    if args.chain < 1:
+        raise MoaspecError("--chain must be >= 1")
+    path = args.drafter or shipped_drafter(loaded)
+    if path is None:
+        print(f"moaspec: no drafter ships for {loaded.path.name}; decoding without drafts "
+              "(train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
+        return Strategy()
+    tree = TreeShape(args.tree_depth, args.tree_top_k, args.tree_total) if args.tree else None
+    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=tree)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -290,6 +302,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    import re
+
+    import torch
+
+    from moaspec.serving import Engine, create_app, listen, run_server
+
+    for name in ("parallel", "default_max_tokens", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_queue < 0 or not 0 <= args.port < 65536:
+        raise MoaspecError("--max-queue must be >= 0 and --port in 0..65535")
+    sock = listen(args.host, args.port)  # fail on a taken port before loading anything
+    loaded = _load(args)
+    if not args.threads:  # share the cores between the parallel decoders instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parallel))
+    engine = Engine(loaded, _strategy(args, loaded), parallel=args.parallel, max_queue=args.max_queue)
+    name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()
+    api_key = args.api_key or os.environ.get("MOASPEC_API_KEY") or None
+    app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
+                     max_body_bytes=args.max_body_bytes)
+    host, port = sock.getsockname()[:2]
+    print(f"moaspec: serving {name} ({engine.strategy.describe()}) on http://{host}:{port} — chat page at /, "
+          f"OpenAI API at /v1{', key required' if api_key else ''}", file=sys.stderr, flush=True)
+    run_server(app, sock, log_level=args.log_level)
+    return 0
+
+
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
@@ -300,7 +341,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return load_model(args.model, device=args.device)
 
 
-COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "bench": cmd_bench}
+COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -265,3 +265,12 @@ class EagleProposer(DrafterProposer):
         root = verified - hidden.shape[0]  # the newly verified tokens start at the root
         self.features[root:verified] = hidden
         self.own.truncate(min(self.own.length, root + 1))  # drafted entries were made from predicted features
+
+
+def proposer_for(drafter: Drafter) -> DrafterProposer:
+    """A fresh proposer (one per generation: it holds that generation's drafter state)."""
+    if isinstance(drafter, MoADrafter):
+        return MoAProposer(drafter)
+    if isinstance(drafter, EagleDrafter):
+        return EagleProposer(drafter)
+    raise TypeError(f"no proposer for {type(drafter).__name__}")

@@ -1,0 +1,55 @@
+"""One decoding choice — plain, chain drafting or dynamic trees — behind one call.
+
+The CLI, the server and the benchmarks all decode through :class:`Strategy`, so a
+setting means the same thing everywhere and each request gets its own caches and
+drafter state (nothing is shared between generations but the weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
+from moaspec.decoding.speculative import DEFAULT_CHAIN, generate_chain
+from moaspec.decoding.tree import TreeShape, generate_tree
+from moaspec.decoding.vanilla import generate
+
+if TYPE_CHECKING:
+    from moaspec.drafters.base import Drafter
+    from moaspec.models.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Plain decoding when ``drafter`` is None; else chains of ``chain`` drafts, or ``tree``."""
+
+    drafter: Drafter | None = None
+    chain: int = DEFAULT_CHAIN
+    tree: TreeShape | None = None
+
+    def describe(self) -> str:
+        if self.drafter is None:
+            return "vanilla"
+        kind = type(self.drafter).__name__.removesuffix("Drafter").lower()
+        if self.tree is not None:
+            return f"{kind}-tree(depth={self.tree.depth},top_k={self.tree.top_k},total={self.tree.total})"
+        return f"{kind}-chain({self.chain})"
+
+    def run(self, target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
+            on_text: TextCallback | None = None, on_piece: PieceCallback | None = None) -> GenerationResult:
+        """Generate one assistant turn; ``on_piece`` gets (text, came-from-accepted-drafts)."""
+        model, tok = target.model, target.tokenizer
+        if self.drafter is None:
+            if on_piece is not None:
+                piece = on_piece
+                on_text = lambda text: piece(text, False)  # noqa: E731
+            return generate(model, tok, prompt_ids, config, on_text=on_text)
+        from moaspec.drafters.proposers import proposer_for
+
+        proposer = proposer_for(self.drafter)
+        if self.tree is not None:
+            return generate_tree(model, tok, proposer, prompt_ids, config, self.tree, on_text=on_text, on_piece=on_piece)
+        return generate_chain(model, tok, proposer, prompt_ids, config, draft_len=self.chain,
+                              on_text=on_text, on_piece=on_piece)

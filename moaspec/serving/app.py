@@ -1,0 +1,128 @@
+"""The HTTP server: one FastAPI app for the OpenAI API, the chat page and health.
+
+Cross-cutting rules live here, once: bearer-token authentication (constant-time
+comparison), a cap on request bodies (413 before the body is parsed), and errors in
+OpenAI's format. The client–server protocol mounts on the same app.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from moaspec.errors import MoaspecError
+from moaspec.serving.engine import Engine
+from moaspec.serving.errors import APIError, error_body, install_handlers
+from moaspec.serving.openai_api import OpenAIRoutes
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Refuse request bodies over ``limit`` bytes with a 413, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return msg
+
+        async def tracked(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if not started:
+                await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_body(413, f"the request body is over the server's limit of {self.limit} bytes")
+        await response(scope, receive, send)
+
+
+def bearer_auth(api_key: str | None) -> Any:
+    """A dependency that requires ``Authorization: Bearer <api_key>`` when a key is set."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "You didn't provide an API key: send 'Authorization: Bearer YOUR_KEY'",
+                           code="invalid_api_key")
+        if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+    return check
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
+               max_body_bytes: int = 1 << 20) -> FastAPI:
+    """The whole server for ``engine``; ``model_name`` is the id clients pass as ``model``."""
+    app = FastAPI(title="moaspec", summary="MoA speculative decoding, OpenAI-compatible", docs_url="/docs",
+                  redoc_url=None)
+    install_handlers(app)
+    auth = bearer_auth(api_key)
+    app.include_router(OpenAIRoutes(engine, model_name, default_max_tokens).router(auth))
+    page = resources.files("moaspec.serving").joinpath("static/chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def chat_page() -> str:
+        return page
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "method": engine.strategy.describe(), **engine.load}
+
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    return app
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket, bound here so that a taken port is a clear error, not a uvicorn traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise MoaspecError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve ``app`` on ``sock`` with uvicorn until interrupted."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=30)
+    uvicorn.Server(config).run(sockets=[sock])

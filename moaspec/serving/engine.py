@@ -1,0 +1,136 @@
+"""Runs generations for a server: admission, worker threads, streaming, cancellation.
+
+Each request decodes on a worker thread with its own target cache and drafter state
+(see :class:`~moaspec.decoding.strategy.Strategy`); only the weights are shared. At
+most ``parallel`` requests decode at once and at most ``max_queue`` more wait; a
+request beyond that is refused at once (:class:`Overloaded`, HTTP 503) rather than
+queued without bound. Torch releases the GIL inside its kernels, so parallel requests
+do progress together. A request whose client goes away is cancelled at its next
+token, and one cancelled while still waiting never starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from moaspec.decoding.generation import GenerationConfig, GenerationResult
+from moaspec.decoding.strategy import Strategy
+from moaspec.errors import MoaspecError
+from moaspec.models.loading import LoadedModel
+
+
+class Overloaded(MoaspecError):
+    """Every decoding slot and queue place is taken."""
+
+
+class _Cancelled(Exception):
+    """Raised inside a worker to abandon a generation whose client has gone."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of generated text, and whether it came from accepted drafts."""
+
+    text: str
+    drafted: bool
+
+
+class Engine:
+    """The target, its decoding strategy, and the worker threads that run requests."""
+
+    def __init__(self, target: LoadedModel, strategy: Strategy, parallel: int = 1, max_queue: int = 16) -> None:
+        if parallel < 1 or max_queue < 0:
+            raise MoaspecError("parallel must be >= 1 and max_queue >= 0")
+        self.target = target
+        self.strategy = strategy
+        self.parallel = parallel
+        self.capacity = parallel + max_queue
+        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="moaspec-decode")
+        self._lock = threading.Lock()
+        self._admitted = 0
+
+    @property
+    def context(self) -> int:
+        return self.target.cfg.max_position_embeddings
+
+    @property
+    def load(self) -> dict[str, int]:
+        with self._lock:
+            admitted = self._admitted
+        return {"running": min(admitted, self.parallel), "waiting": max(0, admitted - self.parallel),
+                "capacity": self.capacity}
+
+    def _admit(self) -> None:
+        with self._lock:
+            if self._admitted >= self.capacity:
+                raise Overloaded(f"the server is at capacity ({self.parallel} decoding, "
+                                 f"{self.capacity - self.parallel} waiting); retry shortly")
+            self._admitted += 1
+
+    def _release(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
+    async def stream(self, prompt_ids: Sequence[int], config: GenerationConfig) -> AsyncIterator[Piece | GenerationResult]:
+        """Yield text pieces as they are verified, then the :class:`GenerationResult`.
+
+        Raises :class:`Overloaded` before anything is yielded when the server is full.
+        Closing the iterator early (a client that disconnected) cancels the generation.
+        """
+        self._admit()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Piece | GenerationResult | BaseException] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def deliver(item: Piece | GenerationResult | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def on_piece(text: str, drafted: bool) -> None:
+            if cancel.is_set():
+                raise _Cancelled
+            deliver(Piece(text, drafted))
+
+        def work() -> None:
+            try:
+                if not cancel.is_set():
+                    deliver(self.strategy.run(self.target, prompt_ids, config, on_piece=on_piece))
+            except _Cancelled:
+                pass
+            except BaseException as exc:  # handed to the request; the worker lives on
+                if not cancel.is_set():
+                    deliver(exc)
+            finally:
+                self._release()
+
+        try:
+            self._pool.submit(work)
+        except BaseException:
+            self._release()
+            raise
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, GenerationResult):
+                    return
+        finally:
+            cancel.set()
+
+    async def complete(self, prompt_ids: Sequence[int], config: GenerationConfig) -> tuple[GenerationResult, list[Piece]]:
+        """The whole generation at once, with its pieces (for draft statistics)."""
+        pieces: list[Piece] = []
+        async for item in self.stream(prompt_ids, config):
+            if isinstance(item, Piece):
+                pieces.append(item)
+            else:
+                return item, pieces
+        raise RuntimeError("generation ended without a result")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

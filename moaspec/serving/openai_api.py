@@ -1,0 +1,259 @@
+"""The OpenAI-compatible API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+Requests and responses follow OpenAI's shapes, so the official ``openai`` package,
+curl scripts and other OpenAI clients work unchanged; streaming uses server-sent
+events ending with ``data: [DONE]``. Each response also carries a ``moaspec`` object
+(τ, target calls, drafted tokens; per streamed chunk, whether its text came from
+accepted drafts) that standard clients ignore. Defaults are OpenAI's: temperature 1,
+top_p 1. Parameters moaspec cannot honour (``n`` > 1, penalties, logprobs) are refused
+with a 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from moaspec.chat import encode_chat, encode_text
+from moaspec.decoding.generation import GenerationConfig, GenerationResult
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.errors import MoaspecError
+from moaspec.serving.engine import Engine, Piece
+from moaspec.serving.errors import APIError
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ... carry no text for this model
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Parameters shared by both endpoints; unknown ones are refused (a typo should not pass silently)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Literal[0, 0.0] = 0
+    frequency_penalty: Literal[0, 0.0] = 0
+    logprobs: Literal[False] | None = None
+    user: str | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "stop takes at most 4 non-empty strings", param="stop")
+        return tuple(stops)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    echo: Literal[False] = False
+    logprobs: Literal[0] | None = None  # type: ignore[assignment]  # the completions API's logprobs is an int
+
+
+def _usage(result: GenerationResult) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
+            "total_tokens": result.prompt_tokens + result.new_tokens}
+
+
+def _stats(result: GenerationResult, pieces: list[Piece], method: str) -> dict[str, Any]:
+    return {
+        "method": method, "tau": round(result.tau, 4), "target_calls": result.target_calls + 1,  # + the prefill
+        "accepted_histogram": result.accepted_histogram(), "drafted_chars": sum(len(p.text) for p in pieces if p.drafted),
+        "tokens_per_s": round(result.tokens_per_s, 2), "prefill_s": round(result.prefill_s, 4),
+        "total_s": round(result.total_s, 4),
+    }
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+class OpenAIRoutes:
+    """Binds the routes to an engine and the name the model is served under."""
+
+    def __init__(self, engine: Engine, model_name: str, default_max_tokens: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.created = int(time.time())
+
+    def router(self, auth: Callable[..., Any]) -> APIRouter:
+        r = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+        r.add_api_route("/models", self.models, methods=["GET"])
+        r.add_api_route("/models/{model_id:path}", self.model, methods=["GET"])
+        r.add_api_route("/chat/completions", self.chat, methods=["POST"])
+        r.add_api_route("/completions", self.completions, methods=["POST"])
+        return r
+
+    # --- model list -----------------------------------------------------------------------
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moaspec",
+                "moaspec": {"method": self.engine.strategy.describe(), "context_window": self.engine.context}}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        self._check_model(model_id)
+        return self._card()
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           type="invalid_request_error", param="model", code="model_not_found")
+
+    # --- generation ---------------------------------------------------------------------
+
+    def _config(self, req: _Common, prompt_len: int, max_tokens: int | None) -> GenerationConfig:
+        context = self.engine.context
+        if prompt_len >= context:
+            raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
+                                f"{prompt_len} tokens. Please shorten it.", param="messages", code="context_length_exceeded")
+        room = context - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
+                                "completion). Please reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        return GenerationConfig(max_new_tokens=max_tokens or min(self.default_max_tokens, room), sampling=sampling,
+                                stop=req.stops())
+
+    def _encode(self, fn: Callable[[], list[int]], param: str) -> list[int]:
+        try:
+            return fn()
+        except MoaspecError as exc:
+            raise APIError(400, str(exc), param=param) from None
+
+    async def chat(self, req: ChatRequest, request: Request) -> Any:
+        self._check_model(req.model)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        ids = self._encode(lambda: encode_chat(self.engine.target.tokenizer, messages), "messages")
+        config = self._config(req, len(ids), req.max_completion_tokens or req.max_tokens)
+        return await self._respond(req, request, ids, config, chat=True)
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Any:
+        self._check_model(req.model)
+        vocab = self.engine.target.cfg.vocab_size
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+            ids = list(req.prompt)  # type: ignore[arg-type]
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        else:
+            texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+            if len(texts) != 1:
+                raise APIError(400, "prompt must be one string (batches of prompts are not supported)", param="prompt")
+            ids = self._encode(lambda: encode_text(self.engine.target.tokenizer, str(texts[0])), "prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        config = self._config(req, len(ids), req.max_tokens)
+        return await self._respond(req, request, ids, config, chat=False)
+
+    async def _respond(self, req: _Common, request: Request, ids: list[int], config: GenerationConfig, chat: bool) -> Any:
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        stream = self.engine.stream(ids, config)
+        if req.stream:
+            first = await anext(stream)  # admission errors (503) still become a proper response
+            return StreamingResponse(self._events(head, first, stream, chat, req), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        result, pieces = await self._collect(stream, request)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": FINISH[result.finish_reason]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+        return JSONResponse({**head, "choices": [choice], "usage": _usage(result),
+                             "moaspec": _stats(result, pieces, self.engine.strategy.describe())})
+
+    async def _collect(self, stream: AsyncIterator[Piece | GenerationResult], request: Request) -> tuple[GenerationResult, list[Piece]]:
+        """Run to the end, cancelling the generation if the client disconnects meanwhile."""
+        pieces: list[Piece] = []
+
+        async def consume() -> GenerationResult:
+            async with aclosing(stream):
+                async for item in stream:
+                    if isinstance(item, GenerationResult):
+                        return item
+                    pieces.append(item)
+            raise RuntimeError("generation ended without a result")
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client closed the connection")
+        return task.result(), pieces
+
+    async def _events(self, head: dict[str, Any], first: Piece | GenerationResult,
+                      stream: AsyncIterator[Piece | GenerationResult], chat: bool, req: _Common) -> AsyncIterator[bytes]:
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def chunk(text: str | None, finish: str | None, **extra: Any) -> dict[str, Any]:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {**head, "choices": [choice], **extra}
+
+        if chat:
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        pieces: list[Piece] = []
+        async with aclosing(stream):
+            item = first
+            while True:
+                if isinstance(item, GenerationResult):
+                    break
+                pieces.append(item)
+                yield _sse(chunk(item.text, None, moaspec={"drafted": item.drafted}))
+                item = await anext(stream)
+        result = item
+        yield _sse(chunk(None, FINISH[result.finish_reason],
+                         moaspec=_stats(result, pieces, self.engine.strategy.describe())))
+        if req.stream_options and req.stream_options.include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(result)})
+        yield _sse("[DONE]")

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible server, end to end over real sockets, on a tiny random target.
+
+Clients are the official ``openai`` package and plain ``curl`` — clients nobody here
+wrote — so the wire format is checked as real users meet it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+
+from moaspec.chat import encode_chat, encode_text
+from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.generation import GenerationResult
+from moaspec.decoding.strategy import Strategy
+from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.serving import Engine, create_app
+from servers import running
+
+KEY = "sk-test-key"
+MODEL = "tiny"
+
+
+def tiny_strategy(loaded) -> Strategy:  # type: ignore[no-untyped-def]
+    torch.manual_seed(3)
+    drafter = MoADrafter(MoAConfig.for_target(loaded.cfg))
+    drafter.attach(loaded.model)
+    return Strategy(drafter.eval(), chain=3)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    engine = Engine(tiny_llama, tiny_strategy(tiny_llama), parallel=2, max_queue=8)
+    with running(create_app(engine, MODEL, api_key=KEY, default_max_tokens=24, max_body_bytes=4096)) as url:
+        yield url
+    engine.close()
+
+
+@pytest.fixture()
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def vanilla(loaded, ids: list[int], max_new: int) -> GenerationResult:  # type: ignore[no-untyped-def]
+    return generate(loaded.model, loaded.tokenizer, ids, GenerationConfig(max_new_tokens=max_new))
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
+
+
+def test_chat_greedy_equals_the_targets_own_greedy_output(client, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20)
+    want = vanilla(tiny_llama, encode_chat(tiny_llama.tokenizer, MESSAGES), 20)
+    assert resp.choices[0].message.content == want.text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == {"eos": "stop", "length": "length"}[want.finish_reason]
+    assert resp.usage.prompt_tokens == want.prompt_tokens
+    assert resp.usage.completion_tokens == want.new_tokens
+    stats = resp.model_extra["moaspec"]
+    assert stats["method"] == "moa-chain(3)" and stats["target_calls"] >= 1 and stats["tau"] >= 1
+
+
+def test_chat_stream_gives_the_same_text_with_usage_and_draft_marks(client) -> None:  # type: ignore[no-untyped-def]
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["moaspec"]["tau"] >= 1
+    pieces = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert pieces and all(isinstance(c.model_extra["moaspec"]["drafted"], bool) for c in pieces)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_text_and_token_prompts(client, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    prompt = "Paris is the capital of"
+    ids = encode_text(tiny_llama.tokenizer, prompt)
+    want = vanilla(tiny_llama, ids, 12).text
+    resp = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12)
+    assert resp.object == "text_completion" and resp.choices[0].text == want
+    assert client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=12).choices[0].text == want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stream=True) if c.choices)
+    assert streamed == want
+
+
+def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(client) -> None:  # type: ignore[no-untyped-def]
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=1.0, top_p=0.9, max_tokens=16, seed=7)
+    a = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert a == client.chat.completions.create(**kwargs).choices[0].message.content
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24).choices[0].message.content
+    stop = full[len(full) // 2: len(full) // 2 + 1]
+    if not stop.strip():
+        pytest.skip("no usable stop character in this output")
+    cut = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert stop not in cut.choices[0].message.content and full.startswith(cut.choices[0].message.content)
+
+
+def test_models_and_unknown_model(client) -> None:  # type: ignore[no-untyped-def]
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES)
+    assert err.value.body["code"] == "model_not_found" and "gpt-9" in err.value.body["message"]
+
+
+def test_authentication(server: str) -> None:
+    for key in ("wrong", ""):
+        bad = openai.OpenAI(base_url=server + "/v1", api_key=key or "x", max_retries=0,
+                            default_headers={} if key else {"Authorization": ""})
+        with pytest.raises(openai.AuthenticationError) as err:
+            bad.models.list()
+        assert err.value.status_code == 401 and err.value.body["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"temperature": 5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, "last message"),
+    ({"messages": [{"role": "user", "content": "   "}]}, "empty"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"max_tokens": 10_000}, "context length"),
+    ({"messages": [{"role": "user", "content": "fox " * 300}]}, "context length"),
+])
+def test_bad_parameters_get_a_400_in_openai_format(client, kwargs, words) -> None:  # type: ignore[no-untyped-def]
+    args = {"model": MODEL, "messages": MESSAGES, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**args)
+    body = err.value.body
+    assert body["type"] == "invalid_request_error" and words in body["message"].lower()
+
+
+def test_raw_http_errors(server: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server, headers=auth) as http:
+        r = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]})
+        assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = http.get("/v1/nowhere")
+        assert r.status_code == 404 and "error" in r.json()
+        assert http.get("/health").json()["status"] == "ok"
+        page = http.get("/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"] and "/v1/chat/completions" in page.text
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl(server: str, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 16})
+    base = ["curl", "-sS", "--max-time", "60", "-H", f"Authorization: Bearer {KEY}", "-H", "Content-Type: application/json"]
+    out = subprocess.run(base + ["-d", body, server + "/v1/chat/completions"], capture_output=True, text=True, check=True)
+    whole = json.loads(out.stdout)["choices"][0]["message"]["content"]
+    assert whole == vanilla(tiny_llama, encode_chat(tiny_llama.tokenizer, MESSAGES), 16).text
+    stream_body = json.dumps({**json.loads(body), "stream": True})
+    out = subprocess.run(base + ["-N", "-d", stream_body, server + "/v1/chat/completions"], capture_output=True, text=True, check=True)
+    events = [line[len("data: "):] for line in out.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]) == whole
+    out = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", server + "/v1/models"], capture_output=True, text=True)
+    assert out.stdout == "401"
+
+
+def test_concurrent_requests_do_not_touch_each_others_caches(client, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    prompts = ["The quick brown fox", "def add(a, b):", "Paris is the capital", "1 2 3 4 5", "Café naïve"]
+    want = {p: vanilla(tiny_llama, encode_chat(tiny_llama.tokenizer, [{"role": "user", "content": p}]), 20).text for p in prompts}
+    got: dict[str, str] = {}
+
+    def ask(p: str) -> None:
+        msgs = [{"role": "user", "content": p}]
+        got[p] = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=msgs, temperature=0, max_tokens=20, stream=True) if c.choices)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+
+
+class Controlled:
+    """A stand-in strategy whose generations run until released or cancelled (admission tests)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.cancelled = threading.Event()
+        self.started = threading.Semaphore(0)
+
+    def describe(self) -> str:
+        return "controlled"
+
+    def run(self, target, prompt_ids, config, on_text=None, on_piece=None):  # type: ignore[no-untyped-def]
+        self.started.release()
+        try:
+            while not self.release.wait(0.01):
+                on_piece("tick ", False)
+        except Exception:
+            self.cancelled.set()
+            raise
+        return GenerationResult([1], "done", "length", len(prompt_ids), 0.0, 0.01, 1, [1])
+
+
+def test_over_capacity_gets_503_and_a_vanished_client_is_cancelled(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    strategy = Controlled()
+    engine = Engine(tiny_llama, strategy, parallel=1, max_queue=0)  # type: ignore[arg-type]
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+    with running(create_app(engine, MODEL)) as url:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as first:
+                assert first.status_code == 200
+                next(first.iter_lines())
+                busy = http.post("/v1/chat/completions", json=body)
+                assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+                assert busy.json()["error"]["type"] == "server_overloaded"
+            # the first client has gone: its generation must stop and free the slot
+            assert strategy.cancelled.wait(10)
+            deadline = time.time() + 10
+            while engine.load["running"] and time.time() < deadline:
+                time.sleep(0.02)
+            assert engine.load == {"running": 0, "waiting": 0, "capacity": 1}
+            strategy.release.set()
+            ok = http.post("/v1/chat/completions", json={**body, "stream": False})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].endswith("done")
+    engine.close()
