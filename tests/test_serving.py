@@ -243,3 +243,15 @@ def test_over_capacity_gets_503_and_a_vanished_client_is_cancelled(tiny_llama) -
             ok = http.post("/v1/chat/completions", json={**body, "stream": False})
             assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].endswith("done")
     engine.close()
+
+
+def test_a_taken_port_is_a_clear_error() -> None:
+    from moaspec.errors import MoaspecError
+    from moaspec.serving import listen
+
+    first = listen("127.0.0.1", 0)
+    try:
+        with pytest.raises(MoaspecError, match="cannot listen on 127.0.0.1"):
+            listen("127.0.0.1", first.getsockname()[1])
+    finally:
+        first.close()
