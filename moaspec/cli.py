@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from moaspec.errors import MoaspecError
 
 EXIT_USAGE = 2
-DRAFT_COLOUR, RESET = "\033[36m", "\033[0m"
+DRAFT_COLOUR, UNVERIFIED_COLOUR, RESET = "\033[36m", "\033[33m", "\033[0m"
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
     s.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default 1 MiB)")
+    s.add_argument("--max-sessions", type=int, default=32, help="client–server sessions held at once (default 32)")
+    s.add_argument("--max-draft", type=int, default=64, help="most tokens per client–server verification (default 64)")
+    s.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle client–server session expires")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the one shipped for the target)")
     s.add_argument("--no-draft", action="store_true", help="plain decoding")
@@ -125,6 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
     _add_tree_options(s)
     _add_model_options(s)
+
+    c = sub.add_parser("client", help="draft here, verify on a `moaspec serve` server (keeps generating if it goes away)")
+    c.add_argument("prompt", nargs="?", default=None, help="the user message ('-' reads it from stdin)")
+    c.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
+    c.add_argument("--api-key", default=None, help="bearer token (default: $MOASPEC_API_KEY)")
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--drafter", default=None, help="MoA drafter (default: the one shipped for the target)")
+    c.add_argument("--chain", type=int, default=4, metavar="T", help="drafts per verification (default 4)")
+    c.add_argument("--state-format", choices=("fp16", "int8"), default="fp16", help="how the server sends memory entries")
+    c.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as lost (default 10)")
+    c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    c.add_argument("--json", action="store_true", help="print one JSON object (text, tau, server calls, bytes/token)")
+    c.add_argument("--show-drafts", action="store_true", help="colour text from accepted drafts")
+    _add_model_options(c)
 
     b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
     b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
@@ -310,24 +329,92 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from moaspec.serving import Engine, create_app, listen, run_server
 
-    for name in ("parallel", "default_max_tokens", "max_body_bytes"):
+    for name in ("parallel", "default_max_tokens", "max_body_bytes", "max_sessions", "max_draft"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_queue < 0 or not 0 <= args.port < 65536:
-        raise MoaspecError("--max-queue must be >= 0 and --port in 0..65535")
+    if args.max_queue < 0 or not 0 <= args.port < 65536 or args.session_ttl <= 0:
+        raise MoaspecError("--max-queue must be >= 0, --port in 0..65535 and --session-ttl > 0")
     sock = listen(args.host, args.port)  # fail on a taken port before loading anything
     loaded = _load(args)
     if not args.threads:  # share the cores between the parallel decoders instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parallel))
+    from moaspec.clientserver.sessions import Limits, SessionStore
+    from moaspec.drafters.moa import MoADrafter
+
     engine = Engine(loaded, _strategy(args, loaded), parallel=args.parallel, max_queue=args.max_queue)
+    moa = engine.strategy.drafter if isinstance(engine.strategy.drafter, MoADrafter) else None
+    if moa is not None and moa.cfg.tli_layers:
+        moa = None  # client–server takes N = 0 drafters only; remote MoA clients are refused with that reason
+    limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
+    sessions = SessionStore(loaded, moa, limits)
     name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()
     api_key = args.api_key or os.environ.get("MOASPEC_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, sessions=sessions)
     host, port = sock.getsockname()[:2]
     print(f"moaspec: serving {name} ({engine.strategy.describe()}) on http://{host}:{port} — chat page at /, "
           f"OpenAI API at /v1{', key required' if api_key else ''}", file=sys.stderr, flush=True)
     run_server(app, sock, log_level=args.log_level)
+    return 0
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    import os
+
+    from moaspec.chat import chat_messages, encode_chat
+    from moaspec.clientserver.client import RemoteTarget, ServerUnreachable, SplitGeneration
+    from moaspec.decoding import GenerationConfig
+    from moaspec.decoding.vanilla import stop_token_ids
+    from moaspec.drafters import load_drafter, shipped_drafter
+    from moaspec.drafters.moa import MoADrafter
+    from moaspec.errors import PromptError
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if prompt is None or not prompt.strip():
+        raise PromptError("the prompt is empty")
+    if args.chain < 1 or args.max_new_tokens < 1 or args.timeout <= 0 or args.retries < 0:
+        raise MoaspecError("--chain and --max-new-tokens must be >= 1, --timeout > 0, --retries >= 0")
+    loaded = _load(args)  # the client's side: tokenizer, embeddings and lm_head for the drafter
+    remote = RemoteTarget(args.server, args.api_key or os.environ.get("MOASPEC_API_KEY"), args.timeout, args.retries)
+    try:
+        info = remote.info()
+    except ServerUnreachable as exc:
+        raise MoaspecError(f"cannot reach {args.server}: {exc}") from None
+    if info.get("fingerprint") != loaded.fingerprint:
+        raise MoaspecError(f"the server's target ({info.get('fingerprint')}) is not this client's model "
+                           f"({loaded.fingerprint}): pass the same --model as the server")
+    path = args.drafter or shipped_drafter(loaded)
+    if path is None:
+        raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
+    drafter = load_drafter(path, loaded)
+    if not isinstance(drafter, MoADrafter):
+        raise MoaspecError(f"{path} is not a MoA drafter")
+    if "moa" not in info.get("states", []):
+        raise MoaspecError("the server does not hold the MoA drafter's server half (start it with the same --drafter)")
+    colours = {"draft": DRAFT_COLOUR, "unverified": UNVERIFIED_COLOUR, "target": ""}
+
+    def piece(text: str, kind: str) -> None:
+        colour = colours[kind] if (args.show_drafts or kind == "unverified") else ""
+        sys.stdout.write(f"{colour}{text}{RESET}" if colour else text)
+        sys.stdout.flush()
+
+    def event(text: str) -> None:
+        print(f"\n[moaspec: {text}]", file=sys.stderr, flush=True)
+
+    gen = SplitGeneration(drafter, loaded.tokenizer, remote, stop_token_ids(loaded.model, loaded.tokenizer),
+                          draft_len=args.chain, fmt=args.state_format, max_draft=int(info["max_draft"]),
+                          on_piece=None if args.json else piece, on_event=None if args.json else event)
+    ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
+    result = gen.run(ids, config, loaded.cfg.max_position_embeddings)
+    remote.shutdown()
+    if args.json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        if result.unverified:
+            print(f"[moaspec: the last {result.unverified} tokens ({UNVERIFIED_COLOUR}coloured{RESET}) were never "
+                  "verified: the server stayed unreachable]", file=sys.stderr)
     return 0
 
 
@@ -341,7 +428,8 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return load_model(args.model, device=args.device)
 
 
-COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench}
+COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "client": cmd_client,
+            "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -148,14 +148,24 @@ class MoADrafter(Drafter):
     def observe(self, state: MoAState, target_cache: KVCache, verified: int) -> None:
         """Add the tokens verified since the last call (up to position ``verified``) to the memory."""
         start = state.memory.length
-        if verified <= start:
-            return
-        mem = self.memory(target_cache.token_kv(start, verified))
-        cos, sin = self.rope(torch.arange(start, verified, device=mem.device))
-        k, v = self.ca.attn.keys_values(mem, cos, sin)
-        state.memory.keys[0, :, :, start:verified] = k
-        state.memory.values[0, :, :, start:verified] = v
-        state.memory.length = verified
+        if verified > start:
+            self.remember(state, start, self.memory(target_cache.token_kv(start, verified))[0])
+
+    @torch.inference_mode()
+    def remember(self, state: MoAState, start: int, entries: torch.Tensor) -> None:
+        """Append memory ``entries`` ``[T, d]`` (LSA outputs) for positions ``start..start+T-1``.
+
+        The split between :meth:`memory` and this is the client–server split: the server
+        runs LSA next to the target's K/V and sends one d-sized entry per verified token.
+        """
+        if start != state.memory.length:
+            raise ValueError(f"memory entries must continue at position {state.memory.length}, got {start}")
+        end = start + entries.shape[0]
+        cos, sin = self.rope(torch.arange(start, end, device=entries.device))
+        k, v = self.ca.attn.keys_values(entries[None].to(self.weight_dtype), cos, sin)
+        state.memory.keys[0, :, :, start:end] = k
+        state.memory.values[0, :, :, start:end] = v
+        state.memory.length = end
 
     @torch.inference_mode()
     def step(self, state: MoAState, tokens: torch.Tensor, positions: torch.Tensor, sa_mask: torch.Tensor | None,

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from moaspec.clientserver.sessions import SessionStore
 from moaspec.errors import MoaspecError
 from moaspec.serving.engine import Engine
 from moaspec.serving.errors import APIError, error_body, install_handlers
@@ -85,13 +86,20 @@ def bearer_auth(api_key: str | None) -> Any:
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
-               max_body_bytes: int = 1 << 20) -> FastAPI:
-    """The whole server for ``engine``; ``model_name`` is the id clients pass as ``model``."""
+               max_body_bytes: int = 1 << 20, sessions: SessionStore | None = None) -> FastAPI:
+    """The whole server for ``engine``; ``model_name`` is the id clients pass as ``model``.
+
+    With ``sessions``, the client–server protocol for remote drafters is served too (``/cs/v1``).
+    """
     app = FastAPI(title="moaspec", summary="MoA speculative decoding, OpenAI-compatible", docs_url="/docs",
                   redoc_url=None)
     install_handlers(app)
     auth = bearer_auth(api_key)
     app.include_router(OpenAIRoutes(engine, model_name, default_max_tokens).router(auth))
+    if sessions is not None:
+        from moaspec.clientserver.server import router
+
+        app.include_router(router(sessions, auth))
     page = resources.files("moaspec.serving").joinpath("static/chat.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)

@@ -1,0 +1,1 @@
+"""Client–server speculative decoding: the drafter on a client, the target on a server, over HTTP."""

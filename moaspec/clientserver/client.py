@@ -1,0 +1,311 @@
+"""The client's half: a MoA drafter that drafts locally and asks a remote target to verify.
+
+    open a session (the server prefills the prompt) → the target's first token and the
+    prompt's memory entries
+    repeat: draft a chain locally → the server verifies it in one target forward → keep
+            the accepted drafts and the target's token, add the new memory entries
+
+When the server cannot be reached the client keeps generating alone: its drafts are
+kept as *unverified* tokens (shown apart), the memory stops growing, and drafting goes
+on T steps past the last verified state. Once the server answers again, the
+unverified tail is sent for verification in pieces; generation continues from the
+first disagreement, so the final text is again exactly the target's greedy output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+
+from moaspec.clientserver import codec
+from moaspec.decoding.detokenize import Detokenizer
+from moaspec.decoding.generation import GenerationConfig, TokenSink
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.drafters.moa import MoADrafter
+from moaspec.drafters.proposers import MoAProposer
+from moaspec.errors import MoaspecError
+
+GREEDY = SamplingParams()
+PieceKind = str  # "target" (the target's own token), "draft" (an accepted draft), "unverified"
+
+
+class ServerUnreachable(Exception):
+    """No answer from the server (connection refused or lost, timeout, 5xx) after the retries."""
+
+
+class ServerRefused(MoaspecError):
+    """The server answered with a 4xx: the request itself is wrong."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"server refused the request ({status}): {message}")
+        self.status = status
+
+
+class RemoteTarget:
+    """The server's ``/cs/v1`` protocol over HTTP, with timeouts, retries and byte counts."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0, retries: int = 2,
+                 backoff: float = 0.2) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/") + "/cs/v1", headers=headers, timeout=timeout)
+        self.retries, self.backoff = retries, backoff
+        self.calls = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None, retries: int | None = None) -> Any:
+        attempts = 1 + (self.retries if retries is None else retries)
+        for attempt in range(attempts):
+            try:
+                resp = self.http.request(method, path, json=body)
+            except httpx.TransportError as exc:
+                error: str = f"{type(exc).__name__}: {exc}"
+            else:
+                self.calls += 1
+                self.bytes_sent += len(resp.request.content)
+                self.bytes_received += len(resp.content)
+                if resp.status_code < 400:
+                    return resp.json() if resp.content else None
+                try:
+                    message = resp.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = resp.text[:200]
+                if resp.status_code < 500 and resp.status_code != 429:
+                    raise ServerRefused(resp.status_code, message)
+                error = f"{resp.status_code}: {message}"
+            if attempt + 1 < attempts:
+                time.sleep(self.backoff * 2**attempt)
+        raise ServerUnreachable(error)
+
+    def info(self) -> dict[str, Any]:
+        return self._request("GET", "/info")
+
+    def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int) -> dict[str, Any]:
+        return self._request("POST", "/sessions", {"prompt": list(prompt), "state": kind, "state_format": fmt,
+                                                   "max_new_tokens": max_new_tokens})
+
+    def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None) -> dict[str, Any]:
+        return self._request("POST", f"/sessions/{session}/verify", {"verified": verified, "draft": list(draft)}, retries)
+
+    def close(self, session: str) -> None:
+        try:
+            self._request("DELETE", f"/sessions/{session}", retries=0)
+        except (ServerUnreachable, ServerRefused):
+            pass  # it expires on its own
+
+    def shutdown(self) -> None:
+        self.http.close()
+
+
+@dataclass
+class _View:
+    """Stands in for the target's cache on the client: how many tokens are settled, and the room."""
+
+    length: int
+    capacity: int
+
+
+class SplitMoAProposer(MoAProposer):
+    """A MoA proposer whose memory entries arrive from the server instead of being computed here."""
+
+    def _begin(self, hidden: torch.Tensor | None) -> None:
+        assert self.cache is not None
+        self.state = self.drafter.new_state(self.cache.capacity)
+
+    def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
+        assert self.state is not None
+        self.state.sa.truncate(min(self.state.sa.length, verified))
+
+    def receive(self, start: int, entries: torch.Tensor) -> None:
+        """Add memory entries for positions ``start..``; those already held are skipped."""
+        assert self.state is not None
+        have = self.state.memory.length
+        if start > have:
+            raise MoaspecError(f"memory entries from position {start} leave a gap after {have}")
+        if start + entries.shape[0] > have:
+            self.drafter.remember(self.state, have, entries[have - start:])
+
+
+@dataclass
+class SplitResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    total_s: float
+    ttft_s: float
+    server_calls: int
+    bytes_sent: int
+    bytes_received: int
+    state_bytes: int
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens verified per verification
+    unverified: int = 0  # trailing tokens the server never verified (it was unreachable to the end)
+    offline_tokens: int = 0  # tokens generated while the server was unreachable
+    resyncs: int = 0
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        n = max(1, len(self.token_ids))
+        return {"text": self.text, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "new_tokens": len(self.token_ids), "tau": round(self.tau, 4), "server_calls": self.server_calls,
+                "total_s": round(self.total_s, 4), "ttft_s": round(self.ttft_s, 4),
+                "tokens_per_s": round(len(self.token_ids) / self.total_s, 3) if self.total_s else 0.0,
+                "bytes_per_token": round((self.bytes_sent + self.bytes_received) / n, 1),
+                "state_bytes_per_token": round(self.state_bytes / n, 1), "unverified": self.unverified,
+                "offline_tokens": self.offline_tokens, "resyncs": self.resyncs}
+
+
+class SplitGeneration:
+    """One generation with a local MoA drafter and a remote target (greedy)."""
+
+    def __init__(self, drafter: MoADrafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = 4,
+                 fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8,
+                 on_piece: Callable[[str, PieceKind], None] | None = None,
+                 on_event: Callable[[str], None] | None = None) -> None:
+        if drafter.cfg.tli_layers:
+            raise MoaspecError("client–server decoding needs a MoA drafter without Target Layer Inference (N = 0)")
+        self.drafter, self.tokenizer, self.remote = drafter, tokenizer, remote
+        self.eos, self.draft_len, self.fmt, self.max_draft, self.retry_every = eos, draft_len, fmt, max_draft, retry_every
+        self.on_piece, self.on_event = on_piece, on_event
+        self.state_bytes = 0
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _event(self, text: str) -> None:
+        if self.on_event:
+            self.on_event(text)
+
+    def _take_state(self, answer: dict[str, Any], start: int) -> None:
+        state = answer.get("state")
+        if state is None:
+            raise MoaspecError("the server sent no MoA state: it does not hold this drafter's server half")
+        self.state_bytes += codec.payload_bytes(state)
+        self.proposer.receive(start, codec.decode(state))
+
+    def _open(self, prompt: Sequence[int], budget: int) -> int:
+        answer = self.remote.open(prompt, "moa", self.fmt, budget)
+        self.session = answer["session"]
+        self._take_state(answer, 0)
+        return int(answer["token"])
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
+        t0 = time.perf_counter()
+        budget = min(config.max_new_tokens, context - len(prompt_ids))
+        on_piece = self.on_piece
+        self.sink = sink = TokenSink(self.tokenizer, config, self.eos, budget, None, on_piece=(
+            (lambda text, drafted: on_piece(text, "draft" if drafted else "target")) if on_piece else None))
+        self.proposer = SplitMoAProposer(self.drafter)
+        self.view = _View(len(prompt_ids), min(context, len(prompt_ids) + budget + self.max_draft + 2))
+        self.proposer.begin(self.view)  # type: ignore[arg-type]
+        try:
+            first = self._open(prompt_ids, budget)
+        except ServerUnreachable as exc:
+            raise MoaspecError(f"cannot reach the server to start: {exc}") from None
+        ttft = time.perf_counter() - t0
+        self.tokens = list(prompt_ids) + [first]  # verified tokens, then the unverified tail
+        self.verified = len(self.tokens)
+        self.accepted: list[int] = []
+        offline_tokens = resyncs = 0
+        offline: Detokenizer | None = None  # set while the server is unreachable
+        sink.push([first])
+        while not sink.done:
+            if offline is None:
+                n = max(0, min(self.draft_len, budget - len(sink.tokens), self.view.capacity - len(self.tokens) - 1))
+                drafts = self._draft(n)
+                try:
+                    answer = self.remote.verify(self.session, self.verified, drafts)
+                except ServerUnreachable as exc:
+                    self._event(f"server unreachable ({exc}); generating alone, text unverified")
+                    offline = Detokenizer(self.tokenizer)
+                    self._extend(drafts, offline)  # the unverifiable drafts start the unverified tail
+                    offline_tokens += len(drafts)
+                    continue
+                self._settle(drafts, answer)
+                continue
+            tail = self.tokens[self.verified:]
+            room = budget - len(sink.tokens) - len(tail)
+            finished = room <= 0 or any(t in self.eos for t in tail)
+            if not finished:  # extend the unverified tail with the drafter alone
+                drafts = self._draft(max(1, min(self.retry_every, room, self.view.capacity - len(self.tokens) - 1)))
+                self._extend(drafts, offline)
+                offline_tokens += len(drafts)
+            if self._resync():
+                resyncs += 1
+                offline = None
+            elif finished:
+                break  # still no server and nothing left to generate: end with an unverified tail
+        text = sink.close()
+        unverified: list[int] = []
+        if offline is not None:
+            tail = self.tokens[self.verified:]
+            cut = next((i for i, t in enumerate(tail) if t in self.eos), len(tail))
+            unverified = tail[: min(cut, budget - len(sink.tokens))]
+            text += self.tokenizer.decode(unverified, skip_special_tokens=True)
+        self.remote.close(self.session)
+        finish = sink.finish or ("eos" if any(t in self.eos for t in self.tokens[self.verified:]) else "length")
+        return SplitResult(
+            token_ids=sink.tokens + unverified, text=text, finish_reason=finish, prompt_tokens=len(prompt_ids),
+            total_s=time.perf_counter() - t0, ttft_s=ttft, server_calls=self.remote.calls,
+            bytes_sent=self.remote.bytes_sent, bytes_received=self.remote.bytes_received, state_bytes=self.state_bytes,
+            accepted_lengths=self.accepted, unverified=len(unverified), offline_tokens=offline_tokens, resyncs=resyncs,
+        )
+
+    def _extend(self, drafts: list[int], shown: Detokenizer) -> None:
+        """Append drafts to the unverified tail (and show them as such)."""
+        self.tokens += drafts
+        self.proposer.commit(len(self.tokens) - 1)
+        if self.on_piece and (text := shown.push(drafts)):
+            self.on_piece(text, "unverified")
+
+    def _draft(self, n: int) -> list[int]:
+        self.view.length = len(self.tokens) - 1
+        return self.proposer.propose(self.tokens, n, GREEDY, None).tokens.tolist()
+
+    def _settle(self, chunk: list[int], answer: dict[str, Any]) -> None:
+        """The server verified ``chunk`` (the drafts after the verified tokens): keep what it accepted.
+
+        Drafted tokens beyond ``chunk`` (an unverified tail) survive when the target's own
+        token agrees with the next one of them.
+        """
+        a, token = int(answer["accepted"]), int(answer["token"])
+        self._take_state(answer, self.verified - 1)
+        tail = self.tokens[self.verified:]
+        new = chunk[:a] + [token]
+        keeps_tail = a == len(chunk) and len(tail) > a and tail[a] == token
+        self.tokens[self.verified:] = new + (tail[a + 1:] if keeps_tail else [])
+        self.verified += len(new)
+        self.accepted.append(len(new))
+        self.proposer.commit(len(self.tokens) - 1)
+        self.sink.push(new, drafted=a)
+
+    def _resync(self) -> bool:
+        """Verify the unverified tail if the server answers now; False while it is still unreachable."""
+        try:
+            while not self.sink.done and self.tokens[self.verified:]:
+                chunk = self.tokens[self.verified:][: self.max_draft]
+                try:
+                    self._settle(chunk, self.remote.verify(self.session, self.verified, chunk, retries=0))
+                except ServerRefused as exc:
+                    if exc.status not in (404, 409):
+                        raise
+                    # the session expired, or a lost answer advanced it: open a new one on the verified text
+                    first = self._open(self.tokens[: self.verified], max(1, self.sink.budget - len(self.sink.tokens)))
+                    agrees = chunk[0] == first
+                    self.tokens[self.verified:] = [first] + (self.tokens[self.verified + 1:] if agrees else [])
+                    self.verified += 1
+                    self.proposer.commit(len(self.tokens) - 1)
+                    self.sink.push([first], drafted=int(agrees))
+        except ServerUnreachable:
+            return False
+        self._event("server reachable again: unverified text checked; the text from here on is verified")
+        return True

@@ -1,0 +1,181 @@
+"""The server's half of client–server speculative decoding: target sessions, no HTTP.
+
+A session holds one conversation's target KV cache. Opening it prefills the prompt
+and returns the target's first token; each verification scores a client's draft in
+one target forward (greedy) and returns how many drafts were accepted, the target's
+own next token, and the *state* of the newly verified tokens — for MoA the Layer
+Self-Attention memory entries (one d-sized vector per token, computed here next to
+the target's K/V of every layer, so all layers' K/V never travel); for EAGLE the
+target's final hidden states. Requests are checked before any work; a retried
+verification (its response was lost) gets the same answer again instead of
+advancing twice.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moaspec.clientserver import codec
+from moaspec.decoding.verify import verify_greedy
+from moaspec.drafters.moa import MoADrafter
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.loading import LoadedModel
+
+# (target cache, first position, end position, the target's final hidden states of those positions) → [T, d]
+StateFn = Callable[[KVCache, int, int, torch.Tensor], torch.Tensor]
+
+
+class SessionError(Exception):
+    """A request the store refuses: ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def state_kinds(moa: MoADrafter | None) -> dict[str, StateFn | None]:
+    """The per-token states this server can send: EAGLE's (the target's final hidden states) and
+    none (an independent drafter) always; MoA's when it holds the server half of a MoA drafter."""
+    kinds: dict[str, StateFn | None] = {"eagle": lambda cache, start, end, hidden: hidden, "none": None}
+    if moa is not None:
+        if moa.cfg.tli_layers:
+            raise SessionError(400, "client–server decoding supports MoA drafters without Target Layer Inference (N = 0)")
+        kinds["moa"] = lambda cache, start, end, hidden: moa.memory(cache.token_kv(start, end))[0]
+    return kinds
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sessions: int = 32
+    max_prompt_tokens: int = 4096
+    max_new_tokens: int = 2048  # per session, over its whole life
+    max_draft: int = 64  # tokens per verification (an offline client's tail is sent in pieces)
+    ttl_s: float = 300.0  # idle sessions expire after this long
+
+
+@dataclass
+class Session:
+    id: str
+    cache: KVCache
+    tokens: list[int]  # prompt + verified tokens; the newest has no K/V in the cache yet
+    kind: str
+    fmt: str
+    expires: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last: tuple[int, tuple[int, ...], dict[str, Any]] | None = None  # (verified, draft, answer) for retries
+
+
+class SessionStore:
+    """Target sessions for remote drafters, with limits and expiry."""
+
+    def __init__(self, target: LoadedModel, moa: MoADrafter | None = None, limits: Limits = Limits()) -> None:
+        self.target = target
+        self._kinds = state_kinds(moa)
+        self.width = target.cfg.hidden_size
+        self.limits = limits
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        lim = self.limits
+        return {"states": sorted(self._kinds), "state_width": self.width, "formats": list(codec.FORMATS),
+                "vocab_size": self.target.cfg.vocab_size, "fingerprint": self.target.fingerprint,
+                "max_sessions": lim.max_sessions, "max_prompt_tokens": lim.max_prompt_tokens,
+                "max_new_tokens": lim.max_new_tokens, "max_draft": lim.max_draft, "ttl_s": lim.ttl_s,
+                "open_sessions": len(self._sessions)}
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for sid in [sid for sid, s in self._sessions.items() if s.expires < now]:
+                del self._sessions[sid]
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        vocab = self.target.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise SessionError(400, f"{what} holds token id {bad}, outside the vocabulary [0, {vocab})")
+
+    def _state_of(self, s: Session, start: int, end: int, hidden: torch.Tensor) -> dict[str, Any] | None:
+        fn = self._kinds[s.kind]
+        return None if fn is None else codec.encode(fn(s.cache, start, end, hidden), s.fmt)
+
+    @torch.inference_mode()
+    def open(self, prompt: Sequence[int], kind: str = "moa", fmt: str = "fp16",
+             max_new_tokens: int | None = None) -> dict[str, Any]:
+        """Prefill ``prompt``; answer the session id, the first token and the prompt's state."""
+        lim = self.limits
+        if not prompt:
+            raise SessionError(400, "the prompt is empty")
+        context = self.target.cfg.max_position_embeddings
+        if len(prompt) > lim.max_prompt_tokens or len(prompt) >= context:
+            raise SessionError(413, f"the prompt has {len(prompt)} tokens; this server takes at most "
+                                    f"{min(lim.max_prompt_tokens, context - 1)}")
+        if kind not in self._kinds:
+            raise SessionError(400, f"this server sends {', '.join(sorted(self._kinds))} states, not {kind!r}")
+        if fmt not in codec.FORMATS:
+            raise SessionError(400, f"state_format must be one of {', '.join(codec.FORMATS)}")
+        self._check_ids(prompt, "the prompt")
+        budget = min(max_new_tokens or lim.max_new_tokens, lim.max_new_tokens, context - len(prompt))
+        self._expire()
+        with self._lock:
+            if len(self._sessions) >= lim.max_sessions:
+                raise SessionError(503, f"the server holds its maximum of {lim.max_sessions} sessions; retry later")
+            sid = secrets.token_urlsafe(16)
+            cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
+            s = Session(sid, cache, list(prompt), kind, fmt, time.monotonic() + lim.ttl_s)
+            self._sessions[sid] = s
+        with s.lock:
+            out = self.target.model(torch.tensor([list(prompt)], device=self.target.model.device), cache,
+                                    logits_at=slice(-1, None))
+            first = int(out.logits[0, -1].argmax())
+            s.tokens.append(first)
+            state = self._state_of(s, 0, len(prompt), out.hidden[0])
+        return {"session": sid, "token": first, "verified": len(s.tokens), "state": state,
+                "capacity": cache.capacity, "expires_in_s": lim.ttl_s}
+
+    def _get(self, sid: str) -> Session:
+        self._expire()
+        with self._lock:
+            s = self._sessions.get(sid)
+        if s is None:
+            raise SessionError(404, "unknown or expired session; open a new one")
+        return s
+
+    @torch.inference_mode()
+    def verify(self, sid: str, verified: int, draft: Sequence[int]) -> dict[str, Any]:
+        """Score ``draft``, which continues the session's ``verified`` tokens."""
+        s = self._get(sid)
+        if len(draft) > self.limits.max_draft:
+            raise SessionError(413, f"the draft has {len(draft)} tokens; at most {self.limits.max_draft} per verification")
+        self._check_ids(draft, "the draft")
+        with s.lock:
+            s.expires = time.monotonic() + self.limits.ttl_s
+            if s.last is not None and s.last[0] == verified and s.last[1] == tuple(draft):
+                return s.last[2]  # a retry of the last request: same answer, no second advance
+            if verified != len(s.tokens):
+                raise SessionError(409, f"the session has {len(s.tokens)} verified tokens, the request assumes {verified}")
+            cache = s.cache
+            if cache.length + 1 + len(draft) > cache.capacity:
+                raise SessionError(400, "the session has used its token budget; open a new one")
+            start = cache.length
+            out = self.target.model(torch.tensor([[s.tokens[-1], *draft]], device=self.target.model.device), cache)
+            verdict = verify_greedy(torch.tensor(list(draft), dtype=torch.long), out.logits[0])
+            cache.truncate(start + 1 + verdict.accepted)
+            s.tokens += list(draft[: verdict.accepted]) + [verdict.next_token]
+            answer = {"accepted": verdict.accepted, "token": verdict.next_token, "verified": len(s.tokens),
+                      "state": self._state_of(s, start, cache.length, out.hidden[0, : verdict.accepted + 1])}
+            s.last = (verified, tuple(draft), answer)
+            return answer
+
+    def close(self, sid: str) -> None:
+        with self._lock:
+            if self._sessions.pop(sid, None) is None:
+                raise SessionError(404, "unknown or expired session")

@@ -1,0 +1,241 @@
+"""Client–server speculative decoding over real sockets, on a tiny random target.
+
+The server is the real FastAPI app under uvicorn; the client is the real HTTP client;
+between them, for the disconnection tests, the emulated network link.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from moaspec.clientserver import codec
+from moaspec.clientserver.client import RemoteTarget, ServerRefused, SplitGeneration
+from moaspec.clientserver.netem import PROFILES, NetworkProxy, parse_profile
+from moaspec.clientserver.sessions import Limits, SessionStore
+from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.strategy import Strategy
+from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.serving import Engine, create_app
+from servers import running
+
+KEY = "cs-key"
+PROMPT = [5, 17, 42, 7, 99, 3, 12]
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_llama) -> MoADrafter:  # type: ignore[no-untyped-def]
+    torch.manual_seed(3)
+    d = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
+    d.attach(tiny_llama.model)
+    return d.eval()
+
+
+def make_app(tiny_llama, drafter, **limits):  # type: ignore[no-untyped-def]
+    store = SessionStore(tiny_llama, drafter, Limits(**{"max_draft": 8, **limits}))
+    engine = Engine(tiny_llama, Strategy(drafter), parallel=1)
+    return create_app(engine, "tiny", api_key=KEY, max_body_bytes=8192, sessions=store)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, drafter) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    with running(make_app(tiny_llama, drafter)) as url:
+        yield url
+
+
+def vanilla(tiny_llama, max_new: int) -> list[int]:  # type: ignore[no-untyped-def]
+    cfg = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
+    return generate(tiny_llama.model, tiny_llama.tokenizer, PROMPT, cfg).token_ids
+
+
+def split(tiny_llama, drafter, url: str, max_new: int, **kw):  # type: ignore[no-untyped-def]
+    remote = RemoteTarget(url, KEY, timeout=kw.pop("timeout", 10.0), retries=kw.pop("retries", 1), backoff=0.01)
+    gen = SplitGeneration(drafter, tiny_llama.tokenizer, remote, set(), max_draft=8, **kw)
+    cfg = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
+    result = gen.run(PROMPT, cfg, tiny_llama.cfg.max_position_embeddings)
+    remote.shutdown()
+    return result
+
+
+# --- the pure parts -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, tol", [("fp16", 1e-3), ("int8", 1 / 254 + 1e-3)])
+def test_codec_round_trip(fmt: str, tol: float) -> None:
+    x = torch.randn(5, 64) * 3
+    y = codec.decode(codec.encode(x, fmt))
+    assert y.shape == x.shape
+    assert ((y - x).abs() / x.abs().amax(-1, keepdim=True)).max() <= tol
+    assert codec.payload_bytes(codec.encode(x, fmt)) == (5 * 64 * 2 if fmt == "fp16" else 5 * 64 + 5 * 2)
+
+
+@pytest.mark.parametrize("payload", [
+    {"format": "fp16", "shape": [2, 4], "data": "AAAA"},
+    {"format": "fp16", "shape": [2, 4], "data": "not base64!"},
+    {"format": "bf16", "shape": [1, 1], "data": ""},
+    {"format": "int8", "shape": [1, 2], "data": "AAA=", "scales": ""},
+    {"shape": [1, 1]},
+])
+def test_codec_rejects_bad_payloads(payload) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(codec.CodecError):
+        codec.decode(payload)
+
+
+def test_profiles_parse() -> None:
+    assert parse_profile("4g") == (PROFILES["4g"], None)
+    assert parse_profile("5g+offline-after:32") == (PROFILES["5g"], 32)
+    assert parse_profile("offline-after:8") == (PROFILES["lan"], 8)
+    for bad in ("3g", "offline-after:x", "offline-after:-1"):
+        with pytest.raises(ValueError):
+            parse_profile(bad)
+
+
+# --- lossless over the network --------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8"])
+@pytest.mark.parametrize("draft_len", [1, 4])
+def test_split_greedy_equals_the_targets_greedy(tiny_llama, drafter, server, fmt, draft_len) -> None:  # type: ignore[no-untyped-def]
+    result = split(tiny_llama, drafter, server, 40, draft_len=draft_len, fmt=fmt)
+    assert result.token_ids == vanilla(tiny_llama, 40)
+    assert result.unverified == 0 and result.server_calls == len(result.accepted_lengths) + 1 + 1  # + open, close
+    assert result.state_bytes == (len(PROMPT) + sum(result.accepted_lengths)) * tiny_llama.cfg.hidden_size * (2 if fmt == "fp16" else 1) \
+        + (0 if fmt == "fp16" else (len(PROMPT) + sum(result.accepted_lengths)) * 2)
+
+
+def test_the_memory_from_the_server_is_what_the_drafter_computes_locally(tiny_llama, drafter, server) -> None:  # type: ignore[no-untyped-def]
+    remote = RemoteTarget(server, KEY)
+    answer = remote.open(PROMPT, "moa", "fp16", 8)
+    cache = tiny_llama.model.new_cache(64)
+    tiny_llama.model(torch.tensor([PROMPT]), cache)
+    local = drafter.memory(cache.token_kv(0, len(PROMPT)))[0]
+    assert torch.allclose(codec.decode(answer["state"]), local, atol=2e-3 * local.abs().max().item())
+    remote.close(answer["session"])
+
+
+# --- disconnection ---------------------------------------------------------------------------
+
+def cut_after(proxy: NetworkProxy, k: int, restore_after: int | None = None):  # type: ignore[no-untyped-def]
+    """An on_piece callback that kills the link after k pieces (and restores it after more)."""
+    seen = [0]
+
+    def piece(text: str, kind: str) -> None:
+        seen[0] += 1
+        if seen[0] == k:
+            proxy.cut()
+        if restore_after is not None and seen[0] == k + restore_after:
+            proxy.restore()
+    return piece
+
+
+def test_the_client_keeps_generating_alone_when_the_link_dies(tiny_llama, drafter, server) -> None:  # type: ignore[no-untyped-def]
+    proxy = NetworkProxy(("127.0.0.1", int(server.rsplit(":", 1)[1])), PROFILES["lan"]).start()
+    try:
+        events: list[str] = []
+        result = split(tiny_llama, drafter, proxy.url, 40, draft_len=3, timeout=2.0,
+                       on_piece=cut_after(proxy, 6), on_event=events.append)
+    finally:
+        proxy.stop()
+    want = vanilla(tiny_llama, 40)
+    verified = len(result.token_ids) - result.unverified
+    assert len(result.token_ids) == 40 and result.unverified > 0 and result.offline_tokens >= result.unverified
+    assert result.token_ids[:verified] == want[:verified]  # what the server verified is the target's
+    assert any("unreachable" in e for e in events)
+
+
+@pytest.mark.parametrize("expire", [False, True])
+def test_generation_is_lossless_again_once_the_server_is_back(tiny_llama, drafter, expire) -> None:  # type: ignore[no-untyped-def]
+    with running(make_app(tiny_llama, drafter, ttl_s=0.3 if expire else 300)) as url:
+        proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
+        try:
+            def slow_restore(text: str, kind: str, piece=cut_after(proxy, 5, restore_after=4)) -> None:
+                piece(text, kind)
+                if expire and kind == "unverified":
+                    time.sleep(0.2)  # long enough offline for the session to expire
+            events: list[str] = []
+            result = split(tiny_llama, drafter, proxy.url, 40, draft_len=3, timeout=2.0, retry_every=2,
+                           on_piece=slow_restore, on_event=events.append)
+        finally:
+            proxy.stop()
+    assert result.offline_tokens > 0 and result.resyncs >= 1 and result.unverified == 0
+    assert result.token_ids == vanilla(tiny_llama, 40)
+    assert any("reachable again" in e for e in events)
+
+
+def test_the_client_cannot_start_without_a_server(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.errors import MoaspecError
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there
+    with pytest.raises(MoaspecError, match="cannot reach the server"):
+        split(tiny_llama, drafter, f"http://127.0.0.1:{port}", 8, timeout=1.0)
+
+
+# --- a hostile or broken client gets a 4xx and the server keeps serving ----------------------
+
+def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  # type: ignore[no-untyped-def]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server + "/cs/v1", headers=auth, timeout=30) as http:
+        def status(method: str, path: str, **kw) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+            r = http.request(method, path, **kw)
+            return r.status_code, (r.json()["error"]["message"] if r.status_code >= 400 else "")
+
+        opened = http.post("/sessions", json={"prompt": PROMPT}).json()
+        sid, n = opened["session"], opened["verified"]
+        vocab = tiny_llama.cfg.vocab_size
+        cases = [
+            (("POST", "/sessions"), {"json": {"prompt": [1, vocab]}}, 400, "outside the vocabulary"),
+            (("POST", "/sessions"), {"json": {"prompt": [-1]}}, 400, "outside the vocabulary"),
+            (("POST", "/sessions"), {"json": {"prompt": []}}, 400, "empty"),
+            (("POST", "/sessions"), {"json": {"prompt": "hello"}}, 400, "prompt"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "state": "kv"}}, 400, "state"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "bogus": 1}}, 400, "bogus"),
+            (("POST", "/sessions"), {"content": b"{oops", "headers": {"Content-Type": "application/json"}}, 400, "JSON"),
+            (("POST", "/sessions"), {"json": {"prompt": [1] * 5000}}, 413, "limit"),
+            (("POST", "/sessions"), {"json": {"prompt": [1] * 300}}, 413, "at most"),
+            (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1] * 9}}, 413, "at most 8"),
+            (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [vocab + 5]}}, 400, "outside"),
+            (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n + 3, "draft": [1]}}, 409, "assumes"),
+            (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n}}, 400, "draft"),
+            (("POST", "/sessions/nope/verify"), {"json": {"verified": n, "draft": [1]}}, 404, "unknown or expired"),
+            (("DELETE", "/sessions/nope"), {}, 404, "unknown"),
+            (("GET", "/info"), {"headers": {"Authorization": "Bearer wrong"}}, 401, "Incorrect API key"),
+            (("GET", "/info"), {"headers": {"Authorization": ""}}, 401, "didn't provide"),
+        ]
+        for (method, path), kw, want, words in cases:
+            got, message = status(method, path, **kw)
+            assert (got, words in message) == (want, True), (method, path, kw, got, message)
+        # a retried verification gets the same answer and does not advance the session twice
+        first = http.post(f"/sessions/{sid}/verify", json={"verified": n, "draft": [3, 4]}).json()
+        again = http.post(f"/sessions/{sid}/verify", json={"verified": n, "draft": [3, 4]}).json()
+        assert first == again
+        assert http.post(f"/sessions/{sid}/verify", json={"verified": first["verified"], "draft": []}).status_code == 200
+        # a client vanishing mid-request: half a request, then the socket closes
+        host, port = server.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(b"POST /cs/v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 500\r\n\r\n{\"prompt\": [1, 2")
+        assert http.delete(f"/sessions/{sid}").status_code == 204
+        assert http.get("/info").json()["open_sessions"] >= 0
+
+
+def test_sessions_are_limited_and_expire(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
+    with running(make_app(tiny_llama, drafter, max_sessions=2, ttl_s=0.5)) as url:
+        remote = RemoteTarget(url, KEY, retries=0)
+        a, b = remote.open(PROMPT, "moa", "fp16", 8), remote.open(PROMPT, "none", "int8", 8)
+        assert b["state"] is None
+        with httpx.Client() as http:
+            r = http.post(url + "/cs/v1/sessions", json={"prompt": PROMPT}, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        time.sleep(0.7)
+        with pytest.raises(ServerRefused) as err:
+            remote.verify(a["session"], a["verified"], [1])
+        assert err.value.status == 404
+        assert remote.open(PROMPT, "moa", "fp16", 8)["session"]  # expired sessions freed their places
+        remote.shutdown()
