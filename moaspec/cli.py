@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--api-key", default=None, help="bearer token (default: $MOASPEC_API_KEY)")
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--drafter", default=None, help="MoA drafter (default: the one shipped for the target)")
-    c.add_argument("--chain", type=int, default=4, metavar="T", help="drafts per verification (default 4)")
+    c.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
+                   help=f"drafts per verification (default {_default_chain()}, as for generate)")
     c.add_argument("--state-format", choices=("fp16", "int8"), default="fp16", help="how the server sends memory entries")
     c.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as lost (default 10)")
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
@@ -144,6 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object (text, tau, server calls, bytes/token)")
     c.add_argument("--show-drafts", action="store_true", help="colour text from accepted drafts")
     _add_model_options(c)
+
+    bc = sub.add_parser("bench-cs", help="client–server decoding under emulated 4G/5G/LAN links, and after a disconnection")
+    bc.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
+    bc.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
+    bc.add_argument("--profiles", default="lan,4g,5g", help="comma list from lan, 4g, 5g, none (default lan,4g,5g)")
+    bc.add_argument("--methods", default="moa,api", help="comma list from moa, api")
+    bc.add_argument("--output", required=True, help="directory for summary.json")
+    bc.add_argument("--max-new-tokens", type=int, default=128)
+    bc.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
+    bc.add_argument("--chain", type=int, default=_default_chain(), help=f"drafts per verification (default {_default_chain()})")
+    bc.add_argument("--state-format", choices=("fp16", "int8"), default="fp16")
+    bc.add_argument("--disconnect-after", type=int, default=32, help="cut the link after K verified tokens (0: no study)")
+    bc.add_argument("--continue-tokens", type=int, default=128, help="tokens the client generates alone after the cut")
+    bc.add_argument("--port", type=int, default=8790, help="port for the server this command starts")
+    bc.add_argument("--no-progress", action="store_true")
+    _add_model_options(bc)
 
     b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
     b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
@@ -339,11 +356,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.threads:  # share the cores between the parallel decoders instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parallel))
     from moaspec.clientserver.sessions import Limits, SessionStore
+    from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.moa import MoADrafter
 
     engine = Engine(loaded, _strategy(args, loaded), parallel=args.parallel, max_queue=args.max_queue)
-    moa = engine.strategy.drafter if isinstance(engine.strategy.drafter, MoADrafter) else None
-    if moa is not None and moa.cfg.tli_layers:
+    moa = engine.strategy.drafter
+    if moa is None and (path := args.drafter or shipped_drafter(loaded)):  # --no-draft: remote clients still draft
+        moa = load_drafter(path, loaded)
+    if not isinstance(moa, MoADrafter) or moa.cfg.tli_layers:
         moa = None  # client–server takes N = 0 drafters only; remote MoA clients are refused with that reason
     limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
     sessions = SessionStore(loaded, moa, limits)
@@ -418,6 +438,39 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_cs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moaspec.clientserver.bench import run_bench_cs, table
+    from moaspec.clientserver.netem import PROFILES
+    from moaspec.drafters import load_drafter, shipped_drafter
+    from moaspec.drafters.moa import MoADrafter
+    from moaspec.specbench import load_questions
+
+    names = [p.strip() for p in args.profiles.split(",") if p.strip()]
+    bad = [p for p in names if p not in PROFILES]
+    if not names or bad:
+        raise MoaspecError(f"--profiles takes a comma list from {', '.join(PROFILES)}" + (f"; not {', '.join(bad)}" if bad else ""))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.max_new_tokens < 1 or args.chain < 1 or args.disconnect_after < 0 or args.continue_tokens < 1:
+        raise MoaspecError("--max-new-tokens, --chain and --continue-tokens must be >= 1, --disconnect-after >= 0")
+    questions = load_questions(args.questions, per_file=args.limit)
+    loaded = _load(args)
+    path = args.drafter or shipped_drafter(loaded)
+    if path is None:
+        raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
+    drafter = load_drafter(path, loaded)
+    if not isinstance(drafter, MoADrafter):
+        raise MoaspecError(f"{path} is not a MoA drafter")
+    summary = run_bench_cs(loaded, drafter, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
+                           Path(args.output), chain=args.chain, fmt=args.state_format,
+                           disconnect_after=args.disconnect_after, continue_tokens=args.continue_tokens, port=args.port,
+                           model_spec=args.model, drafter_path=str(path), progress=not args.no_progress)
+    print(table(summary))
+    print(f"summary.json in {args.output}")
+    return 0
+
+
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
@@ -429,7 +482,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "client": cmd_client,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "bench-cs": cmd_bench_cs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

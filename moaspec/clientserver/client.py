@@ -26,6 +26,7 @@ from moaspec.clientserver import codec
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationConfig, TokenSink
 from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.speculative import DEFAULT_CHAIN
 from moaspec.drafters.moa import MoADrafter
 from moaspec.drafters.proposers import MoAProposer
 from moaspec.errors import MoaspecError
@@ -166,7 +167,7 @@ class SplitResult:
 class SplitGeneration:
     """One generation with a local MoA drafter and a remote target (greedy)."""
 
-    def __init__(self, drafter: MoADrafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = 4,
+    def __init__(self, drafter: MoADrafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = DEFAULT_CHAIN,
                  fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8,
                  on_piece: Callable[[str, PieceKind], None] | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:

@@ -143,6 +143,8 @@ class NetworkProxy:
         self._writers |= {cwriter, swriter}
         try:
             await asyncio.gather(self._pipe(creader, swriter), self._pipe(sreader, cwriter))
+        except asyncio.CancelledError:
+            pass  # the proxy is stopping (returning normally spares asyncio a spurious traceback)
         finally:
             for w in (cwriter, swriter):
                 self._writers.discard(w)

@@ -1,0 +1,220 @@
+"""``moaspec bench-cs``: client–server decoding under emulated network profiles, and after a disconnection.
+
+The server is ``moaspec serve`` in its own process (plain decoding for the API
+baseline; the MoA drafter's server half for sessions); the client runs here; the
+emulated link sits between them. Where the machine has two cores or more, the server
+is pinned to one and the client to another, so that they never share a CPU.
+
+Methods:
+  ``moa``  the MoA drafter on the client, the target on the server (``/cs/v1``), greedy
+  ``api``  the server decodes alone and streams tokens (``/v1/chat/completions``)
+
+Per profile and method, ``summary.json`` holds ``tokens_per_s``, ``ttft_s``,
+``server_calls_per_100_tokens`` and ``bytes_per_token`` (request and response bodies).
+The ``disconnect`` section cuts the link once K tokens are verified, lets the client
+continue alone for C tokens, and scores that continuation by its perplexity under the
+target and by the length of its exact match with the target's own greedy continuation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from tqdm import tqdm
+
+from moaspec.chat import chat_messages, encode_chat
+from moaspec.clientserver.client import RemoteTarget, SplitGeneration
+from moaspec.clientserver.netem import NetworkProxy, Profile
+from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.drafters.moa import MoADrafter
+from moaspec.errors import MoaspecError
+from moaspec.fileio import atomic_write_text
+from moaspec.models.loading import LoadedModel
+from moaspec.specbench import Question
+
+METHODS = ("moa", "api")
+
+
+class ServerProcess:
+    """``moaspec serve`` as a child process on its own core, until closed."""
+
+    def __init__(self, port: int, model: str | None, drafter: str | None, core: int | None) -> None:
+        cmd = [sys.executable, "-m", "moaspec.cli", "serve", "--port", str(port), "--no-draft", "--threads", "1",
+               "--log-level", "warning", "--parallel", "1"]
+        cmd += ["--model", model] if model else []
+        cmd += ["--drafter", drafter] if drafter else []
+        if core is not None:
+            cmd = ["taskset", "-c", str(core), *cmd]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stderr.readline()  # type: ignore[union-attr]
+        if "serving" not in line:
+            raise MoaspecError(f"the server did not start: {line.strip()} {self.proc.stderr.read()[-500:]}")  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _api(url: str, prompt: str, max_new: int) -> dict[str, Any]:
+    """One streamed chat completion, timed from the request; counts bytes on the wire (bodies)."""
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_new, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, received, tokens, calls = None, 0, 0, 0
+    with httpx.Client(timeout=600) as http:
+        model = http.get(url + "/v1/models").json()["data"][0]["id"]
+        body["model"] = model
+        t0 = time.perf_counter()
+        with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                received += len(line) + 1
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+                    calls = chunk["moaspec"]["target_calls"]
+    total = time.perf_counter() - t0
+    return {"tokens": tokens, "total_s": total, "ttft_s": ttft or total, "server_calls": calls,
+            "bytes": received + len(json.dumps(body))}
+
+
+def _moa(target: LoadedModel, drafter: MoADrafter, url: str, ids: Sequence[int], max_new: int, chain: int,
+         fmt: str) -> dict[str, Any]:
+    remote = RemoteTarget(url, timeout=30)
+    gen = SplitGeneration(drafter, target.tokenizer, remote, stop_token_ids(target.model, target.tokenizer),
+                          draft_len=chain, fmt=fmt)
+    r = gen.run(ids, GenerationConfig(max_new_tokens=max_new), target.cfg.max_position_embeddings)
+    remote.shutdown()
+    return {"tokens": len(r.token_ids), "total_s": r.total_s, "ttft_s": r.ttft_s, "server_calls": r.server_calls,
+            "bytes": r.bytes_sent + r.bytes_received, "tau": r.tau, "token_ids": r.token_ids}
+
+
+def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = sum(r["tokens"] for r in rows)
+    out = {"questions": len(rows), "new_tokens": tokens,
+           "tokens_per_s": round(tokens / sum(r["total_s"] for r in rows), 3),
+           "ttft_s": round(sum(r["ttft_s"] for r in rows) / len(rows), 4),
+           "server_calls_per_100_tokens": round(100 * sum(r["server_calls"] for r in rows) / max(1, tokens), 2),
+           "bytes_per_token": round(sum(r["bytes"] for r in rows) / max(1, tokens), 1)}
+    if all("tau" in r for r in rows):
+        out["tau"] = round(sum(r["tau"] for r in rows) / len(rows), 4)
+    return out
+
+
+def perplexity(target: LoadedModel, context: Sequence[int], continuation: Sequence[int]) -> float:
+    """exp(mean negative log-likelihood) of ``continuation`` after ``context`` under the target."""
+    ids = torch.tensor([list(context) + list(continuation)])
+    cache = target.model.new_cache(ids.shape[1])
+    with torch.inference_mode():
+        logits = target.model(ids, cache, logits_at=slice(len(context) - 1, ids.shape[1] - 1)).logits[0].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(list(continuation)))
+    return math.exp(float(nll))
+
+
+def _disconnect(target: LoadedModel, drafter: MoADrafter, upstream: tuple[str, int], profile: Profile,
+                ids: Sequence[int], after: int, cont: int, chain: int, fmt: str, seed: int) -> dict[str, Any]:
+    proxy = NetworkProxy(upstream, profile, seed).start()
+    remote = RemoteTarget(proxy.url, timeout=5, retries=0)
+    gen = SplitGeneration(drafter, target.tokenizer, remote, set(), draft_len=chain, fmt=fmt,
+                          on_piece=lambda text, kind: proxy.cut() if len(gen.sink.tokens) >= after else None)
+    try:
+        r = gen.run(ids, GenerationConfig(max_new_tokens=after + chain + 1 + cont, ignore_eos=True),
+                    target.cfg.max_position_embeddings)
+    finally:
+        remote.shutdown()
+        proxy.stop()
+    verified = r.token_ids[: len(r.token_ids) - r.unverified]
+    alone = r.token_ids[len(verified):][:cont]
+    if len(alone) < cont:
+        raise MoaspecError("the link was cut too late to leave a full continuation; lower the disconnect point")
+    context = list(ids) + verified
+    reference = generate(target.model, target.tokenizer, context,
+                         GenerationConfig(max_new_tokens=cont, ignore_eos=True)).token_ids
+    match = next((i for i, (a, b) in enumerate(zip(alone, reference)) if a != b), min(len(alone), len(reference)))
+    return {"verified_before_cut": len(verified), "perplexity": perplexity(target, context, alone),
+            "target_greedy_perplexity": perplexity(target, context, reference), "exact_match_tokens": match}
+
+
+def run_bench_cs(target: LoadedModel, drafter: MoADrafter, questions: list[Question], profiles: list[Profile],
+                 methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, fmt: str = "fp16",
+                 disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
+                 model_spec: str | None = None, drafter_path: str | None = None, progress: bool = True) -> dict[str, Any]:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise MoaspecError(f"unknown method(s) {', '.join(unknown)} for bench-cs; available: {', '.join(METHODS)} "
+                           "(the EAGLE-2 and independent-drafter clients are not implemented yet)")
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = len(cores) >= 2
+    server = ServerProcess(port, model_spec, drafter_path, cores[1] if pinned else None)
+    if pinned:
+        os.sched_setaffinity(0, {cores[0]})
+        torch.set_num_threads(1)
+    upstream = ("127.0.0.1", port)
+    prompts = [(q, encode_chat(target.tokenizer, chat_messages(q.turns[0]))) for q in questions]
+    summary: dict[str, Any] = {"profiles": {}, "disconnect": {}, "setup": {
+        "questions": len(questions), "max_new_tokens": max_new, "chain": chain, "state_format": fmt,
+        "pinned": f"client on core {cores[0]}, server on core {cores[1]}" if pinned else "not pinned (one core)",
+        "profiles": {p.name: p.describe() for p in profiles}}}
+    output.mkdir(parents=True, exist_ok=True)
+    try:
+        # warm both ends (first-call allocations) before timing anything
+        _moa(target, drafter, server.url, prompts[0][1], 8, chain, fmt)
+        _api(server.url, questions[0].turns[0], 8)
+        bar = tqdm(total=len(profiles) * len(methods) * len(prompts), disable=not progress, desc="bench-cs")
+        for profile in profiles:
+            proxy = NetworkProxy(upstream, profile, seed=0).start()
+            rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+            try:
+                for q, ids in prompts:
+                    for m in methods:  # back to back per question, so drift hits both alike
+                        row = (_moa(target, drafter, proxy.url, ids, max_new, chain, fmt) if m == "moa"
+                               else _api(proxy.url, q.turns[0], max_new))
+                        row.pop("token_ids", None)
+                        rows[m].append(row)
+                        bar.update()
+            finally:
+                proxy.stop()
+            summary["profiles"][profile.name] = {m: _aggregate(r) for m, r in rows.items()}
+        bar.close()
+        if "moa" in methods and disconnect_after > 0:
+            lan = profiles[0]
+            results = [_disconnect(target, drafter, upstream, lan, ids, disconnect_after, continue_tokens, chain, fmt, i)
+                       for i, (_, ids) in enumerate(tqdm(prompts, disable=not progress, desc="disconnect"))]
+            summary["disconnect"] = {"after_tokens": disconnect_after, "continue_tokens": continue_tokens, "moa": {
+                f"N={drafter.cfg.tli_layers}": {
+                    "perplexity": round(sum(r["perplexity"] for r in results) / len(results), 3),
+                    "target_greedy_perplexity": round(sum(r["target_greedy_perplexity"] for r in results) / len(results), 3),
+                    "exact_match_tokens": round(sum(r["exact_match_tokens"] for r in results) / len(results), 2),
+                    "per_question": results}}}
+    finally:
+        server.close()
+    atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = ["profile  method  tokens/s  ttft_s  server calls/100 tok  bytes/token  tau"]
+    for name, methods in summary["profiles"].items():
+        for m, s in methods.items():
+            lines.append(f"{name:<8} {m:<7} {s['tokens_per_s']:>8.2f}  {s['ttft_s']:>6.3f}  {s['server_calls_per_100_tokens']:>20.1f}"
+                         f"  {s['bytes_per_token']:>11.1f}  {s.get('tau', float('nan')):.2f}")
+    for n, d in summary.get("disconnect", {}).get("moa", {}).items():
+        lines.append(f"disconnect moa {n}: continuation perplexity {d['perplexity']:.2f} (target's own greedy: "
+                     f"{d['target_greedy_perplexity']:.2f}), exact match {d['exact_match_tokens']:.1f} tokens")
+    return "\n".join(lines)
