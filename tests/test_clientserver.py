@@ -99,8 +99,9 @@ def test_profiles_parse() -> None:
 
 @pytest.mark.parametrize("fmt", ["fp16", "int8"])
 @pytest.mark.parametrize("draft_len", [1, 4])
-def test_split_greedy_equals_the_targets_greedy(tiny_llama, drafter, server, fmt, draft_len) -> None:  # type: ignore[no-untyped-def]
-    result = split(tiny_llama, drafter, server, 40, draft_len=draft_len, fmt=fmt)
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_split_greedy_equals_the_targets_greedy(tiny_llama, drafter, server, fmt, draft_len, pipeline) -> None:  # type: ignore[no-untyped-def]
+    result = split(tiny_llama, drafter, server, 40, draft_len=draft_len, fmt=fmt, pipeline=pipeline)
     assert result.token_ids == vanilla(tiny_llama, 40)
     assert result.unverified == 0 and result.server_calls == len(result.accepted_lengths) + 1 + 1  # + open, close
     assert result.state_bytes == (len(PROMPT) + sum(result.accepted_lengths)) * tiny_llama.cfg.hidden_size * (2 if fmt == "fp16" else 1) \

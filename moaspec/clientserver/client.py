@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +149,7 @@ class SplitResult:
     unverified: int = 0  # trailing tokens the server never verified (it was unreachable to the end)
     offline_tokens: int = 0  # tokens generated while the server was unreachable
     resyncs: int = 0
+    pipeline_hits: int = 0
 
     @property
     def tau(self) -> float:
@@ -161,14 +163,15 @@ class SplitResult:
                 "tokens_per_s": round(len(self.token_ids) / self.total_s, 3) if self.total_s else 0.0,
                 "bytes_per_token": round((self.bytes_sent + self.bytes_received) / n, 1),
                 "state_bytes_per_token": round(self.state_bytes / n, 1), "unverified": self.unverified,
-                "offline_tokens": self.offline_tokens, "resyncs": self.resyncs}
+                "offline_tokens": self.offline_tokens, "resyncs": self.resyncs,
+                "pipeline_hits": self.pipeline_hits}
 
 
 class SplitGeneration:
     """One generation with a local MoA drafter and a remote target (greedy)."""
 
     def __init__(self, drafter: MoADrafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = DEFAULT_CHAIN,
-                 fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8,
+                 fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8, pipeline: bool = True,
                  on_piece: Callable[[str, PieceKind], None] | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:
         if drafter.cfg.tli_layers:
@@ -176,7 +179,9 @@ class SplitGeneration:
         self.drafter, self.tokenizer, self.remote = drafter, tokenizer, remote
         self.eos, self.draft_len, self.fmt, self.max_draft, self.retry_every = eos, draft_len, fmt, max_draft, retry_every
         self.on_piece, self.on_event = on_piece, on_event
+        self.pipeline = pipeline
         self.state_bytes = 0
+        self.pipeline_hits = 0  # verifications whose next drafts were ready when the answer came
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -200,7 +205,13 @@ class SplitGeneration:
     # --- the loop -------------------------------------------------------------------------
 
     def run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
+        """Generate one answer; the server is asked to verify on a helper thread (pipelining)."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moaspec-verify") as self._pool:
+            return self._run(prompt_ids, config, context)
+
+    def _run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
         t0 = time.perf_counter()
+        self.pipeline_hits = self.state_bytes = 0
         budget = min(config.max_new_tokens, context - len(prompt_ids))
         on_piece = self.on_piece
         self.sink = sink = TokenSink(self.tokenizer, config, self.eos, budget, None, on_piece=(
@@ -218,20 +229,29 @@ class SplitGeneration:
         self.accepted: list[int] = []
         offline_tokens = resyncs = 0
         offline: Detokenizer | None = None  # set while the server is unreachable
+        drafts: list[int] | None = None  # drafted ahead during the last verification, ready to send
         sink.push([first])
         while not sink.done:
             if offline is None:
-                n = max(0, min(self.draft_len, budget - len(sink.tokens), self.view.capacity - len(self.tokens) - 1))
-                drafts = self._draft(n)
+                if drafts is None:
+                    drafts = self._draft(self._room(self.draft_len, 0))
+                in_flight = self._pool.submit(self.remote.verify, self.session, self.verified, drafts)
+                # pipelining: while the server verifies, draft on as if it accepts every draft;
+                # the first of these guesses the target's own token after them
+                ahead = self._draft_after(drafts, self._room(self.draft_len + 1, len(drafts) + 1)) if self.pipeline else []
                 try:
-                    answer = self.remote.verify(self.session, self.verified, drafts)
+                    answer = in_flight.result()
                 except ServerUnreachable as exc:
                     self._event(f"server unreachable ({exc}); generating alone, text unverified")
                     offline = Detokenizer(self.tokenizer)
-                    self._extend(drafts, offline)  # the unverifiable drafts start the unverified tail
-                    offline_tokens += len(drafts)
+                    self._extend(drafts + ahead, offline)  # the unverifiable drafts start the unverified tail
+                    offline_tokens += len(drafts) + len(ahead)
+                    drafts = None
                     continue
+                hit = int(answer["accepted"]) == len(drafts) and ahead[:1] == [int(answer["token"])]
                 self._settle(drafts, answer)
+                self.pipeline_hits += hit
+                drafts = ahead[1:] if hit and len(ahead) > 1 and not sink.done else None
                 continue
             tail = self.tokens[self.verified:]
             room = budget - len(sink.tokens) - len(tail)
@@ -259,6 +279,7 @@ class SplitGeneration:
             total_s=time.perf_counter() - t0, ttft_s=ttft, server_calls=self.remote.calls,
             bytes_sent=self.remote.bytes_sent, bytes_received=self.remote.bytes_received, state_bytes=self.state_bytes,
             accepted_lengths=self.accepted, unverified=len(unverified), offline_tokens=offline_tokens, resyncs=resyncs,
+            pipeline_hits=self.pipeline_hits,
         )
 
     def _extend(self, drafts: list[int], shown: Detokenizer) -> None:
@@ -267,6 +288,18 @@ class SplitGeneration:
         self.proposer.commit(len(self.tokens) - 1)
         if self.on_piece and (text := shown.push(drafts)):
             self.on_piece(text, "unverified")
+
+    def _room(self, n: int, ahead: int) -> int:
+        """At most ``n`` drafts, ``ahead`` tokens past the newest, within the budget and the caches."""
+        left = self.sink.budget - len(self.sink.tokens) - ahead
+        return max(0, min(n, left, self.view.capacity - len(self.tokens) - ahead - 1))
+
+    def _draft_after(self, drafts: list[int], n: int) -> list[int]:
+        """``n`` drafts continuing ``drafts`` (which are not verified yet)."""
+        if n <= 0:
+            return []
+        self.view.length = len(self.tokens) + len(drafts) - 1
+        return self.proposer.propose(self.tokens + drafts, n, GREEDY, None).tokens.tolist()
 
     def _draft(self, n: int) -> list[int]:
         self.view.length = len(self.tokens) - 1
