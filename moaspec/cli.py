@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     bc.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     bc.add_argument("--profiles", default="lan,4g,5g", help="comma list from lan, 4g, 5g, none (default lan,4g,5g)")
-    bc.add_argument("--methods", default="moa,api", help="comma list from moa, api")
+    bc.add_argument("--methods", default="moa,api", help="comma list from moa, eagle2, api")
+    bc.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (`moaspec train --kind eagle`)")
     bc.add_argument("--output", required=True, help="directory for summary.json")
     bc.add_argument("--max-new-tokens", type=int, default=128)
     bc.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
@@ -407,10 +408,9 @@ def cmd_client(args: argparse.Namespace) -> int:
     if path is None:
         raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
     drafter = load_drafter(path, loaded)
-    if not isinstance(drafter, MoADrafter):
-        raise MoaspecError(f"{path} is not a MoA drafter")
-    if "moa" not in info.get("states", []):
-        raise MoaspecError("the server does not hold the MoA drafter's server half (start it with the same --drafter)")
+    if isinstance(drafter, MoADrafter) and info.get("moa_drafter") != drafter.fingerprint():
+        raise MoaspecError("the server holds a different MoA drafter (or none): start it with the same --drafter "
+                           "as this client, whose server half (LSA) makes the memory this client reads")
     colours = {"draft": DRAFT_COLOUR, "unverified": UNVERIFIED_COLOUR, "target": ""}
 
     def piece(text: str, kind: str) -> None:
@@ -444,6 +444,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     from moaspec.clientserver.bench import run_bench_cs, table
     from moaspec.clientserver.netem import PROFILES
     from moaspec.drafters import load_drafter, shipped_drafter
+    from moaspec.drafters.eagle import EagleDrafter
     from moaspec.drafters.moa import MoADrafter
     from moaspec.specbench import load_questions
 
@@ -459,10 +460,16 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     path = args.drafter or shipped_drafter(loaded)
     if path is None:
         raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
-    drafter = load_drafter(path, loaded)
-    if not isinstance(drafter, MoADrafter):
+    drafters = {"moa": load_drafter(path, loaded)}
+    if not isinstance(drafters["moa"], MoADrafter):
         raise MoaspecError(f"{path} is not a MoA drafter")
-    summary = run_bench_cs(loaded, drafter, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
+    if "eagle2" in methods:
+        if args.eagle_drafter is None:
+            raise MoaspecError("eagle2 needs --eagle-drafter (train one with `moaspec train --kind eagle`)")
+        drafters["eagle2"] = load_drafter(args.eagle_drafter, loaded)
+        if not isinstance(drafters["eagle2"], EagleDrafter):
+            raise MoaspecError(f"{args.eagle_drafter} is not an EAGLE drafter")
+    summary = run_bench_cs(loaded, drafters, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
                            Path(args.output), chain=args.chain, fmt=args.state_format,
                            disconnect_after=args.disconnect_after, continue_tokens=args.continue_tokens, port=args.port,
                            model_spec=args.model, drafter_path=str(path), progress=not args.no_progress)

@@ -240,3 +240,54 @@ def test_sessions_are_limited_and_expire(tiny_llama, drafter) -> None:  # type: 
         assert err.value.status == 404
         assert remote.open(PROMPT, "moa", "fp16", 8)["session"]  # expired sessions freed their places
         remote.shutdown()
+
+
+@pytest.fixture(scope="module")
+def eagle(tiny_llama):  # type: ignore[no-untyped-def]
+    from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+
+    torch.manual_seed(4)
+    d = EagleDrafter(EagleConfig.for_target(tiny_llama.cfg))
+    d.attach(tiny_llama.model)
+    return d.eval()
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_eagle_client_is_lossless_and_resyncs_after_a_cut(tiny_llama, eagle, drafter, pipeline) -> None:  # type: ignore[no-untyped-def]
+    with running(make_app(tiny_llama, drafter)) as url:
+        assert split(tiny_llama, eagle, url, 30, draft_len=3, pipeline=pipeline).token_ids == vanilla(tiny_llama, 30)
+        proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
+        try:
+            result = split(tiny_llama, eagle, proxy.url, 30, draft_len=3, timeout=2.0, retry_every=2, pipeline=pipeline,
+                           on_piece=cut_after(proxy, 4, restore_after=4))
+        finally:
+            proxy.stop()
+    assert result.offline_tokens > 0 and result.resyncs >= 1
+    assert result.token_ids == vanilla(tiny_llama, 30)
+
+
+def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json as jsonlib
+
+    from moaspec.chat import chat_messages, encode_chat
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import load_drafter, save_drafter, target_identity
+
+    torch.manual_seed(5)
+    fresh = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
+    path = save_drafter(fresh, tmp_path / "moa", target_identity(tiny_llama))
+    other = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path / "other", target_identity(tiny_llama))
+    served = load_drafter(path, tiny_llama)
+    with running(make_app(tiny_llama, served)) as url:
+        args = ["client", "--server", url, "--api-key", KEY, "--model", str(tiny_dirs["llama"]), "--max-new-tokens", "12"]
+        assert main([*args, "--drafter", str(path), "--json", "The quick brown fox"]) == 0
+        out = jsonlib.loads(capsys.readouterr().out)
+        ids = encode_chat(tiny_llama.tokenizer, chat_messages("The quick brown fox"))
+        assert out["text"] == generate(tiny_llama.model, tiny_llama.tokenizer, ids, GenerationConfig(max_new_tokens=12)).text
+        assert out["server_calls"] >= 3 and out["bytes_per_token"] > 0
+        assert main([*args, "--drafter", str(other), "hi"]) == 2
+        assert "different MoA drafter" in capsys.readouterr().err
+        assert main([*args[:3], "--api-key", "wrong", *args[5:], "--drafter", str(path), "hi"]) == 2
+        assert "401" in capsys.readouterr().err
+    assert main(["client", "--server", "http://127.0.0.1:9", "--model", str(tiny_dirs["llama"]), "--retries", "0", "hi"]) == 2
+    assert "cannot reach" in capsys.readouterr().err

@@ -6,8 +6,10 @@ emulated link sits between them. Where the machine has two cores or more, the se
 is pinned to one and the client to another, so that they never share a CPU.
 
 Methods:
-  ``moa``  the MoA drafter on the client, the target on the server (``/cs/v1``), greedy
-  ``api``  the server decodes alone and streams tokens (``/v1/chat/completions``)
+  ``moa``     the MoA drafter on the client, the target on the server (``/cs/v1``), greedy
+  ``eagle2``  an EAGLE drafter on the client, fed the target's hidden states by the server
+  ``api``     the server decodes alone and streams tokens (``/v1/chat/completions``)
+Drafting is in chains on both drafter methods (trees do not cross the network yet).
 
 Per profile and method, ``summary.json`` holds ``tokens_per_s``, ``ttft_s``,
 ``server_calls_per_100_tokens`` and ``bytes_per_token`` (request and response bodies).
@@ -37,13 +39,14 @@ from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import NetworkProxy, Profile
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.drafters.base import Drafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.specbench import Question
 
-METHODS = ("moa", "api")
+METHODS = ("moa", "eagle2", "api")
 
 
 class ServerProcess:
@@ -94,7 +97,7 @@ def _api(url: str, prompt: str, max_new: int) -> dict[str, Any]:
             "bytes": received + len(json.dumps(body))}
 
 
-def _moa(target: LoadedModel, drafter: MoADrafter, url: str, ids: Sequence[int], max_new: int, chain: int,
+def _split(target: LoadedModel, drafter: Drafter, url: str, ids: Sequence[int], max_new: int, chain: int,
          fmt: str) -> dict[str, Any]:
     remote = RemoteTarget(url, timeout=30)
     gen = SplitGeneration(drafter, target.tokenizer, remote, stop_token_ids(target.model, target.tokenizer),
@@ -127,7 +130,7 @@ def perplexity(target: LoadedModel, context: Sequence[int], continuation: Sequen
     return math.exp(float(nll))
 
 
-def _disconnect(target: LoadedModel, drafter: MoADrafter, upstream: tuple[str, int], profile: Profile,
+def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int], profile: Profile,
                 ids: Sequence[int], after: int, cont: int, chain: int, fmt: str, seed: int) -> dict[str, Any]:
     proxy = NetworkProxy(upstream, profile, seed).start()
     remote = RemoteTarget(proxy.url, timeout=5, retries=0)
@@ -151,14 +154,16 @@ def _disconnect(target: LoadedModel, drafter: MoADrafter, upstream: tuple[str, i
             "target_greedy_perplexity": perplexity(target, context, reference), "exact_match_tokens": match}
 
 
-def run_bench_cs(target: LoadedModel, drafter: MoADrafter, questions: list[Question], profiles: list[Profile],
+def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: list[Question], profiles: list[Profile],
                  methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, fmt: str = "fp16",
                  disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
                  model_spec: str | None = None, drafter_path: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """``drafters`` maps each drafter method (moa, eagle2) to its drafter; the others are server-side."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)} for bench-cs; available: {', '.join(METHODS)} "
-                           "(the EAGLE-2 and independent-drafter clients are not implemented yet)")
+                           "(an independent-drafter client is not implemented yet)")
+    drafters = {m: d for m, d in drafters.items() if m in methods}
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
     server = ServerProcess(port, model_spec, drafter_path, cores[1] if pinned else None)
@@ -174,7 +179,8 @@ def run_bench_cs(target: LoadedModel, drafter: MoADrafter, questions: list[Quest
     output.mkdir(parents=True, exist_ok=True)
     try:
         # warm both ends (first-call allocations) before timing anything
-        _moa(target, drafter, server.url, prompts[0][1], 8, chain, fmt)
+        for d in drafters.values():
+            _split(target, d, server.url, prompts[0][1], 8, chain, fmt)
         _api(server.url, questions[0].turns[0], 8)
         bar = tqdm(total=len(profiles) * len(methods) * len(prompts), disable=not progress, desc="bench-cs")
         for profile in profiles:
@@ -183,7 +189,7 @@ def run_bench_cs(target: LoadedModel, drafter: MoADrafter, questions: list[Quest
             try:
                 for q, ids in prompts:
                     for m in methods:  # back to back per question, so drift hits both alike
-                        row = (_moa(target, drafter, proxy.url, ids, max_new, chain, fmt) if m == "moa"
+                        row = (_split(target, drafters[m], proxy.url, ids, max_new, chain, fmt) if m in drafters
                                else _api(proxy.url, q.turns[0], max_new))
                         row.pop("token_ids", None)
                         rows[m].append(row)
@@ -192,16 +198,18 @@ def run_bench_cs(target: LoadedModel, drafter: MoADrafter, questions: list[Quest
                 proxy.stop()
             summary["profiles"][profile.name] = {m: _aggregate(r) for m, r in rows.items()}
         bar.close()
-        if "moa" in methods and disconnect_after > 0:
-            lan = profiles[0]
-            results = [_disconnect(target, drafter, upstream, lan, ids, disconnect_after, continue_tokens, chain, fmt, i)
-                       for i, (_, ids) in enumerate(tqdm(prompts, disable=not progress, desc="disconnect"))]
-            summary["disconnect"] = {"after_tokens": disconnect_after, "continue_tokens": continue_tokens, "moa": {
-                f"N={drafter.cfg.tli_layers}": {
+        if disconnect_after > 0:
+            for m, d in drafters.items():
+                results = [_disconnect(target, d, upstream, profiles[0], ids, disconnect_after, continue_tokens, chain,
+                                       fmt, i) for i, (_, ids) in enumerate(tqdm(prompts, disable=not progress,
+                                                                                 desc=f"disconnect {m}"))]
+                label = f"N={d.cfg.tli_layers}" if isinstance(d, MoADrafter) else "chain"
+                summary["disconnect"].setdefault(m, {})[label] = {
                     "perplexity": round(sum(r["perplexity"] for r in results) / len(results), 3),
                     "target_greedy_perplexity": round(sum(r["target_greedy_perplexity"] for r in results) / len(results), 3),
                     "exact_match_tokens": round(sum(r["exact_match_tokens"] for r in results) / len(results), 2),
-                    "per_question": results}}}
+                    "per_question": results}
+            summary["disconnect"].update({"after_tokens": disconnect_after, "continue_tokens": continue_tokens})
     finally:
         server.close()
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -214,7 +222,8 @@ def table(summary: dict[str, Any]) -> str:
         for m, s in methods.items():
             lines.append(f"{name:<8} {m:<7} {s['tokens_per_s']:>8.2f}  {s['ttft_s']:>6.3f}  {s['server_calls_per_100_tokens']:>20.1f}"
                          f"  {s['bytes_per_token']:>11.1f}  {s.get('tau', float('nan')):.2f}")
-    for n, d in summary.get("disconnect", {}).get("moa", {}).items():
-        lines.append(f"disconnect moa {n}: continuation perplexity {d['perplexity']:.2f} (target's own greedy: "
-                     f"{d['target_greedy_perplexity']:.2f}), exact match {d['exact_match_tokens']:.1f} tokens")
+    for m in METHODS:
+        for n, d in summary.get("disconnect", {}).get(m, {}).items():
+            lines.append(f"disconnect {m} {n}: continuation perplexity {d['perplexity']:.2f} (target's own greedy: "
+                         f"{d['target_greedy_perplexity']:.2f}), exact match {d['exact_match_tokens']:.1f} tokens")
     return "\n".join(lines)

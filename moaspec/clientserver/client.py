@@ -1,4 +1,4 @@
-"""The client's half: a MoA drafter that drafts locally and asks a remote target to verify.
+"""The client's half: a drafter (MoA, or EAGLE) that drafts locally and asks a remote target to verify.
 
     open a session (the server prefills the prompt) → the target's first token and the
     prompt's memory entries
@@ -28,8 +28,10 @@ from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationConfig, TokenSink
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN
+from moaspec.drafters.base import Drafter
+from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.moa import MoADrafter
-from moaspec.drafters.proposers import MoAProposer
+from moaspec.drafters.proposers import EagleProposer, MoAProposer
 from moaspec.errors import MoaspecError
 
 GREEDY = SamplingParams()
@@ -115,6 +117,8 @@ class _View:
 class SplitMoAProposer(MoAProposer):
     """A MoA proposer whose memory entries arrive from the server instead of being computed here."""
 
+    state_kind = "moa"
+
     def _begin(self, hidden: torch.Tensor | None) -> None:
         assert self.cache is not None
         self.state = self.drafter.new_state(self.cache.capacity)
@@ -131,6 +135,53 @@ class SplitMoAProposer(MoAProposer):
             raise MoaspecError(f"memory entries from position {start} leave a gap after {have}")
         if start + entries.shape[0] > have:
             self.drafter.remember(self.state, have, entries[have - start:])
+
+
+class SplitEagleProposer(EagleProposer):
+    """An EAGLE proposer fed the target's hidden states by the server.
+
+    EAGLE needs a feature for every token it reads. For tokens the server has not
+    verified (drafts, or everything generated while it is unreachable) it uses the
+    features it predicted itself, which is all an EAGLE drafter can do alone.
+    """
+
+    state_kind = "eagle"
+
+    def _begin(self, hidden: torch.Tensor | None) -> None:
+        assert self.cache is not None
+        self.own = self.drafter.new_cache(self.cache.capacity)
+        self.features = torch.zeros(self.cache.capacity, self.drafter.cfg.hidden_size, device=self.device,
+                                    dtype=self.drafter.weight_dtype)
+
+    def _feed(self, tokens, positions, mask, parent_features, outputs):  # type: ignore[no-untyped-def]
+        logits, feats = super()._feed(tokens, positions, mask, parent_features, outputs)
+        assert self.features is not None
+        self.features[positions[-outputs:]] = feats.to(self.features.dtype)  # predicted until the server's arrive
+        return logits, feats
+
+    def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
+        assert self.own is not None
+        self.own.truncate(min(self.own.length, verified))
+
+    def receive(self, start: int, entries: torch.Tensor) -> None:
+        """True features for positions ``start..``: entries made from predicted ones after ``start`` are redone."""
+        assert self.own is not None and self.features is not None
+        self.features[start : start + entries.shape[0]] = entries.to(self.features.dtype)
+        self.own.truncate(min(self.own.length, start + 1))
+
+
+SplitProposer = SplitMoAProposer | SplitEagleProposer
+
+
+def split_proposer(drafter: Drafter) -> SplitProposer:
+    """A fresh client-side proposer for ``drafter`` (one per generation)."""
+    if isinstance(drafter, MoADrafter):
+        if drafter.cfg.tli_layers:
+            raise MoaspecError("client–server decoding needs a MoA drafter without Target Layer Inference (N = 0)")
+        return SplitMoAProposer(drafter)
+    if isinstance(drafter, EagleDrafter):
+        return SplitEagleProposer(drafter)
+    raise MoaspecError(f"no client–server proposer for {type(drafter).__name__}")
 
 
 @dataclass
@@ -170,12 +221,11 @@ class SplitResult:
 class SplitGeneration:
     """One generation with a local MoA drafter and a remote target (greedy)."""
 
-    def __init__(self, drafter: MoADrafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = DEFAULT_CHAIN,
+    def __init__(self, drafter: Drafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = DEFAULT_CHAIN,
                  fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8, pipeline: bool = True,
                  on_piece: Callable[[str, PieceKind], None] | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:
-        if drafter.cfg.tli_layers:
-            raise MoaspecError("client–server decoding needs a MoA drafter without Target Layer Inference (N = 0)")
+        split_proposer(drafter)  # refuse an unsupported drafter now rather than mid-generation
         self.drafter, self.tokenizer, self.remote = drafter, tokenizer, remote
         self.eos, self.draft_len, self.fmt, self.max_draft, self.retry_every = eos, draft_len, fmt, max_draft, retry_every
         self.on_piece, self.on_event = on_piece, on_event
@@ -192,12 +242,12 @@ class SplitGeneration:
     def _take_state(self, answer: dict[str, Any], start: int) -> None:
         state = answer.get("state")
         if state is None:
-            raise MoaspecError("the server sent no MoA state: it does not hold this drafter's server half")
+            raise MoaspecError(f"the server sent no {self.proposer.state_kind} state for this session")
         self.state_bytes += codec.payload_bytes(state)
         self.proposer.receive(start, codec.decode(state))
 
     def _open(self, prompt: Sequence[int], budget: int) -> int:
-        answer = self.remote.open(prompt, "moa", self.fmt, budget)
+        answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget)
         self.session = answer["session"]
         self._take_state(answer, 0)
         return int(answer["token"])
@@ -216,7 +266,7 @@ class SplitGeneration:
         on_piece = self.on_piece
         self.sink = sink = TokenSink(self.tokenizer, config, self.eos, budget, None, on_piece=(
             (lambda text, drafted: on_piece(text, "draft" if drafted else "target")) if on_piece else None))
-        self.proposer = SplitMoAProposer(self.drafter)
+        self.proposer = split_proposer(self.drafter)
         self.view = _View(len(prompt_ids), min(context, len(prompt_ids) + budget + self.max_draft + 2))
         self.proposer.begin(self.view)  # type: ignore[arg-type]
         try:

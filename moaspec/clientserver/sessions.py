@@ -78,6 +78,7 @@ class SessionStore:
     def __init__(self, target: LoadedModel, moa: MoADrafter | None = None, limits: Limits = Limits()) -> None:
         self.target = target
         self._kinds = state_kinds(moa)
+        self.moa_fingerprint = moa.fingerprint() if moa is not None else None
         self.width = target.cfg.hidden_size
         self.limits = limits
         self._sessions: dict[str, Session] = {}
@@ -87,6 +88,7 @@ class SessionStore:
         lim = self.limits
         return {"states": sorted(self._kinds), "state_width": self.width, "formats": list(codec.FORMATS),
                 "vocab_size": self.target.cfg.vocab_size, "fingerprint": self.target.fingerprint,
+                "moa_drafter": self.moa_fingerprint,
                 "max_sessions": lim.max_sessions, "max_prompt_tokens": lim.max_prompt_tokens,
                 "max_new_tokens": lim.max_new_tokens, "max_draft": lim.max_draft, "ttl_s": lim.ttl_s,
                 "open_sessions": len(self._sessions)}

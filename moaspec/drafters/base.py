@@ -7,6 +7,8 @@ borrowed by reference at :meth:`Drafter.attach`, never saved.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
@@ -118,6 +120,18 @@ class Drafter(nn.Module):
 
     def own_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def fingerprint(self) -> str:
+        """Identity of the drafter's own weights (rounded to fp16, so any load dtype of one checkpoint agrees).
+
+        A client and a server must hold the same MoA drafter: the server's LSA half makes
+        the memory entries the client's CA half reads.
+        """
+        h = hashlib.sha256()
+        for name, p in sorted(self.named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().to(torch.float16).cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def head(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary (or the whole vocabulary)."""
