@@ -1,0 +1,105 @@
+"""Reliability of the client–server protocol: C concurrent MoA clients on one server for S seconds.
+
+Starts `moaspec serve` as its own process, then runs C client threads here, each
+generating answers to SpecBench first turns one after another through `/cs/v1`
+(MoA drafter, greedy, pipelined) until the time is up. Reports failed requests
+(any exception a client sees), completed generations, tokens/s over all clients,
+and the server's resident memory sampled every 2 s (first, max, last, and the max
+over the second half against the first half, to tell a plateau from growth).
+
+    .venv/bin/python benchmarks/cs_reliability.py --clients 16 --seconds 300 --output bench-out/cs-reliability.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from moaspec.chat import chat_messages, encode_chat
+from moaspec.clientserver.client import RemoteTarget, SplitGeneration
+from moaspec.decoding import GenerationConfig
+from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.models import load_model
+from moaspec.specbench import load_questions
+
+SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbench"
+
+
+def rss_mb(pid: int) -> float:
+    return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024  # type: ignore[union-attr]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=300)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--port", type=int, default=8795)
+    ap.add_argument("--questions", default=str(SPECBENCH))
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+
+    target = load_model()
+    drafter = load_drafter(shipped_drafter(target), target)
+    eos = stop_token_ids(target.model, target.tokenizer)
+    prompts = [encode_chat(target.tokenizer, chat_messages(q.turns[0])) for q in load_questions(args.questions)]
+    server = subprocess.Popen([sys.executable, "-m", "moaspec.cli", "serve", "--port", str(args.port), "--no-draft",
+                               "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    if "serving" not in (line := server.stderr.readline()):  # type: ignore[union-attr]
+        sys.exit(f"server did not start: {line}")
+    url = f"http://127.0.0.1:{args.port}"
+    failures: list[str] = []
+    done: list[int] = []
+    memory: list[float] = []
+    until = time.perf_counter() + args.seconds
+
+    def client(k: int) -> None:
+        i = k * 11
+        while time.perf_counter() < until:
+            remote = RemoteTarget(url, timeout=60)
+            try:
+                gen = SplitGeneration(drafter, target.tokenizer, remote, eos)
+                r = gen.run(prompts[i % len(prompts)], GenerationConfig(max_new_tokens=args.max_new_tokens),
+                            target.cfg.max_position_embeddings)
+                if r.unverified:
+                    failures.append(f"client {k}: {r.unverified} tokens left unverified")
+                done.append(len(r.token_ids))
+            except Exception as exc:  # every failure counts; none ends the run
+                failures.append(f"client {k}: {type(exc).__name__}: {exc}")
+            finally:
+                remote.shutdown()
+            i += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(args.clients)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        memory.append(rss_mb(server.pid))
+        time.sleep(2)
+    wall = time.perf_counter() - t0
+    server.terminate()
+    server.wait(30)
+    half = len(memory) // 2
+    result = {
+        "clients": args.clients, "seconds": round(wall, 1), "generations": len(done), "failures": len(failures),
+        "failure_examples": failures[:5], "tokens": sum(done), "tokens_per_s": round(sum(done) / wall, 2),
+        "server_rss_mb": {"first": round(memory[0], 1), "max": round(max(memory), 1), "last": round(memory[-1], 1),
+                          "max_first_half": round(max(memory[:half] or memory), 1),
+                          "max_second_half": round(max(memory[half:]), 1)},
+    }
+    print(json.dumps(result, indent=2))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
