@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -340,7 +341,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
     import re
 
     import torch
@@ -380,7 +380,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    import os
 
     from moaspec.chat import chat_messages, encode_chat
     from moaspec.clientserver.client import RemoteTarget, ServerUnreachable, SplitGeneration
@@ -493,6 +492,10 @@ COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "ser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # oneDNN caches a kernel per input shape, 1024 by default; decoding sees ever new
+    # shapes (prompt and cache lengths), so a long-running server's memory grew without
+    # bound (BENCHMARKS.md). 64 keeps the shapes of decoding hot at no measured cost.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)

@@ -5,14 +5,17 @@
     POST   /cs/v1/sessions/{id}/verify    {verified: n, draft: [ids]} → {accepted, token, verified, state}
     DELETE /cs/v1/sessions/{id}
 
-Target forwards run on FastAPI's worker threads (the handlers are plain functions),
-so one slow verification never blocks the event loop or other sessions.
+Target forwards run on worker threads, at most ``workers`` at once (more would only
+share the same cores, and every extra thread grows the allocator's arenas), so a
+slow verification never blocks the event loop; requests beyond that wait their turn.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import anyio
+import anyio.to_thread
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,33 +37,34 @@ class VerifyRequest(BaseModel):
     draft: list[int]
 
 
-def _call(fn: Any, *args: Any) -> Any:
+async def _call(limiter: anyio.CapacityLimiter, fn: Any, *args: Any) -> Any:
     try:
-        return fn(*args)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
     except SessionError as exc:
         code = {404: "session_not_found", 409: "session_conflict", 503: "server_overloaded"}.get(exc.status)
         headers = {"Retry-After": "1"} if exc.status == 503 else None
         raise APIError(exc.status, str(exc), code=code, headers=headers) from None
 
 
-def router(store: SessionStore, auth: Any) -> APIRouter:
+def router(store: SessionStore, auth: Any, workers: int = 2) -> APIRouter:
     r = APIRouter(prefix="/cs/v1", dependencies=[Depends(auth)])
+    limiter = anyio.CapacityLimiter(workers)
 
     @r.get("/info")
-    def info() -> dict[str, Any]:
+    async def info() -> dict[str, Any]:
         return store.info()
 
     @r.post("/sessions")
-    def open_session(req: OpenRequest) -> dict[str, Any]:
-        return _call(store.open, req.prompt, req.state, req.state_format, req.max_new_tokens)
+    async def open_session(req: OpenRequest) -> dict[str, Any]:
+        return await _call(limiter, store.open, req.prompt, req.state, req.state_format, req.max_new_tokens)
 
     @r.post("/sessions/{sid}/verify")
-    def verify(sid: str, req: VerifyRequest) -> dict[str, Any]:
-        return _call(store.verify, sid, req.verified, req.draft)
+    async def verify(sid: str, req: VerifyRequest) -> dict[str, Any]:
+        return await _call(limiter, store.verify, sid, req.verified, req.draft)
 
     @r.delete("/sessions/{sid}", status_code=204)
-    def close(sid: str) -> Response:
-        _call(store.close, sid)
+    async def close(sid: str) -> Response:
+        await _call(limiter, store.close, sid)
         return Response(status_code=204)
 
     return r

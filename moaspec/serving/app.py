@@ -99,7 +99,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, defa
     if sessions is not None:
         from moaspec.clientserver.server import router
 
-        app.include_router(router(sessions, auth))
+        app.include_router(router(sessions, auth, workers=engine.parallel))
     page = resources.files("moaspec.serving").joinpath("static/chat.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
