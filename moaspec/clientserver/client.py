@@ -14,6 +14,7 @@ first disagreement, so the final text is again exactly the target's greedy outpu
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,10 @@ class RemoteTarget:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0, retries: int = 2,
                  backoff: float = 0.2) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=url.rstrip("/") + "/cs/v1", headers=headers, timeout=timeout)
+        # TCP_NODELAY: small latency-bound requests must never wait on Nagle's algorithm for an ACK
+        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        self.http = httpx.Client(base_url=url.rstrip("/") + "/cs/v1", headers=headers, timeout=timeout,
+                                 transport=transport)
         self.retries, self.backoff = retries, backoff
         self.calls = 0
         self.bytes_sent = 0
