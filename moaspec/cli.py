@@ -380,7 +380,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-
     from moaspec.chat import chat_messages, encode_chat
     from moaspec.clientserver.client import RemoteTarget, ServerUnreachable, SplitGeneration
     from moaspec.decoding import GenerationConfig

@@ -20,7 +20,6 @@ from moaspec.clientserver.netem import PROFILES, NetworkProxy, parse_profile
 from moaspec.clientserver.sessions import Limits, SessionStore
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.strategy import Strategy
-from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.serving import Engine, create_app
 from servers import running
@@ -291,3 +290,33 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         assert "401" in capsys.readouterr().err
     assert main(["client", "--server", "http://127.0.0.1:9", "--model", str(tiny_dirs["llama"]), "--retries", "0", "hi"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json as jsonlib
+
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+
+    torch.manual_seed(6)
+    path = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path / "moa", target_identity(tiny_llama))
+    (tmp_path / "q.jsonl").write_text(jsonlib.dumps({"question_id": 1, "turns": ["The quick brown fox"]}) + "\n")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    args = ["bench-cs", "--questions", str(tmp_path / "q.jsonl"), "--model", str(tiny_dirs["llama"]), "--drafter", str(path),
+            "--profiles", "lan,5g", "--max-new-tokens", "8", "--disconnect-after", "3", "--continue-tokens", "4",
+            "--port", str(port), "--output", str(tmp_path / "out"), "--no-progress"]
+    assert main(args) == 0
+    summary = jsonlib.loads((tmp_path / "out" / "summary.json").read_text())
+    for profile in ("lan", "5g"):
+        for method in ("moa", "api"):
+            row = summary["profiles"][profile][method]
+            assert row["new_tokens"] > 0 and row["tokens_per_s"] > 0 and row["bytes_per_token"] > 0
+            assert row["server_calls_per_100_tokens"] > 0 and row["ttft_s"] > 0
+    d = summary["disconnect"]["moa"]["N=0"]
+    assert d["perplexity"] > 1 and d["per_question"][0]["verified_before_cut"] >= 3
+    assert main([*args[:-3], "--methods", "moa,eagle2", "--output", str(tmp_path / "o2")]) == 2
+    assert "--eagle-drafter" in capsys.readouterr().err
+    assert main([*args[:-3], "--profiles", "3g", "--output", str(tmp_path / "o3")]) == 2
