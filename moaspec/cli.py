@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    c.add_argument("--network", default=None, metavar="PROFILE",
+                   help="go through an emulated link: lan, 4g, 5g, optionally +offline-after:K (the link dies after "
+                        "K tokens), e.g. 4g+offline-after:32")
     c.add_argument("--json", action="store_true", help="print one JSON object (text, tau, server calls, bytes/token)")
     c.add_argument("--show-drafts", action="store_true", help="colour text from accepted drafts")
     _add_model_options(c)
@@ -393,8 +396,21 @@ def cmd_client(args: argparse.Namespace) -> int:
         raise PromptError("the prompt is empty")
     if args.chain < 1 or args.max_new_tokens < 1 or args.timeout <= 0 or args.retries < 0:
         raise MoaspecError("--chain and --max-new-tokens must be >= 1, --timeout > 0, --retries >= 0")
+    proxy, cut_after = None, None
+    if args.network:
+        from urllib.parse import urlsplit
+
+        from moaspec.clientserver.netem import NetworkProxy, parse_profile
+
+        try:
+            profile, cut_after = parse_profile(args.network)
+        except ValueError as exc:
+            raise MoaspecError(str(exc)) from None
+        where = urlsplit(args.server)
+        proxy = NetworkProxy((where.hostname or "127.0.0.1", where.port or 80), profile).start()
     loaded = _load(args)  # the client's side: tokenizer, embeddings and lm_head for the drafter
-    remote = RemoteTarget(args.server, args.api_key or os.environ.get("MOASPEC_API_KEY"), args.timeout, args.retries)
+    remote = RemoteTarget(proxy.url if proxy else args.server, args.api_key or os.environ.get("MOASPEC_API_KEY"),
+                          args.timeout, args.retries)
     try:
         info = remote.info()
     except ServerUnreachable as exc:
@@ -412,6 +428,10 @@ def cmd_client(args: argparse.Namespace) -> int:
     colours = {"draft": DRAFT_COLOUR, "unverified": UNVERIFIED_COLOUR, "target": ""}
 
     def piece(text: str, kind: str) -> None:
+        if cut_after is not None and proxy is not None and len(gen.sink.tokens) >= cut_after:
+            proxy.cut()
+        if args.json:
+            return
         colour = colours[kind] if (args.show_drafts or kind == "unverified") else ""
         sys.stdout.write(f"{colour}{text}{RESET}" if colour else text)
         sys.stdout.flush()
@@ -421,11 +441,15 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     gen = SplitGeneration(drafter, loaded.tokenizer, remote, stop_token_ids(loaded.model, loaded.tokenizer),
                           draft_len=args.chain, fmt=args.state_format, max_draft=int(info["max_draft"]),
-                          on_piece=None if args.json else piece, on_event=None if args.json else event)
+                          on_piece=piece, on_event=None if args.json else event)
     ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
-    result = gen.run(ids, config, loaded.cfg.max_position_embeddings)
-    remote.shutdown()
+    try:
+        result = gen.run(ids, config, loaded.cfg.max_position_embeddings)
+    finally:
+        remote.shutdown()
+        if proxy is not None:
+            proxy.stop()
     if args.json:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:

@@ -284,6 +284,11 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         ids = encode_chat(tiny_llama.tokenizer, chat_messages("The quick brown fox"))
         assert out["text"] == generate(tiny_llama.model, tiny_llama.tokenizer, ids, GenerationConfig(max_new_tokens=12)).text
         assert out["server_calls"] >= 3 and out["bytes_per_token"] > 0
+        assert main([*args, "--drafter", str(path), "--network", "lan+offline-after:4", "--json", "The quick brown fox"]) == 0
+        cut = jsonlib.loads(capsys.readouterr().out)
+        assert cut["unverified"] > 0 and cut["new_tokens"] == 12 and cut["offline_tokens"] >= cut["unverified"]
+        assert main([*args, "--drafter", str(path), "--network", "3g", "hi"]) == 2
+        assert "unknown network profile" in capsys.readouterr().err
         assert main([*args, "--drafter", str(other), "hi"]) == 2
         assert "different MoA drafter" in capsys.readouterr().err
         assert main([*args[:3], "--api-key", "wrong", *args[5:], "--drafter", str(path), "hi"]) == 2
