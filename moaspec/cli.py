@@ -143,12 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    c.add_argument("--bundle", default=None, help="run from a client bundle (`moaspec export-client`) instead of the whole target")
     c.add_argument("--network", default=None, metavar="PROFILE",
                    help="go through an emulated link: lan, 4g, 5g, optionally +offline-after:K (the link dies after "
                         "K tokens), e.g. 4g+offline-after:32")
     c.add_argument("--json", action="store_true", help="print one JSON object (text, tau, server calls, bytes/token)")
     c.add_argument("--show-drafts", action="store_true", help="colour text from accepted drafts")
     _add_model_options(c)
+
+    e = sub.add_parser("export-client", help="write what a client device needs: embeddings, drafter, tokenizer (not the target)")
+    e.add_argument("--output", required=True, help="directory for the bundle (written atomically)")
+    e.add_argument("--drafter", default=None, help="MoA drafter (default: the one shipped for the target)")
+    _add_model_options(e)
 
     bc = sub.add_parser("bench-cs", help="client–server decoding under emulated 4G/5G/LAN links, and after a disconnection")
     bc.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
@@ -408,7 +414,15 @@ def cmd_client(args: argparse.Namespace) -> int:
             raise MoaspecError(str(exc)) from None
         where = urlsplit(args.server)
         proxy = NetworkProxy((where.hostname or "127.0.0.1", where.port or 80), profile).start()
-    loaded = _load(args)  # the client's side: tokenizer, embeddings and lm_head for the drafter
+    if args.bundle:
+        from moaspec.clientserver.bundle import bundle_drafter, load_bundle
+
+        if args.model:
+            raise MoaspecError("give either --bundle or --model, not both")
+        loaded = load_bundle(args.bundle, args.device)
+        args.drafter = args.drafter or str(bundle_drafter(args.bundle))
+    else:
+        loaded = _load(args)  # the client's side: tokenizer, embeddings and lm_head for the drafter
     remote = RemoteTarget(proxy.url if proxy else args.server, args.api_key or os.environ.get("MOASPEC_API_KEY"),
                           args.timeout, args.retries)
     try:
@@ -457,6 +471,22 @@ def cmd_client(args: argparse.Namespace) -> int:
         if result.unverified:
             print(f"[moaspec: the last {result.unverified} tokens ({UNVERIFIED_COLOUR}coloured{RESET}) were never "
                   "verified: the server stayed unreachable]", file=sys.stderr)
+    return 0
+
+
+def cmd_export_client(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moaspec.clientserver.bundle import export_bundle
+    from moaspec.drafters import shipped_drafter
+
+    loaded = _load(args)
+    path = args.drafter or shipped_drafter(loaded)
+    if path is None:
+        raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
+    out = export_bundle(loaded, Path(path), Path(args.output))
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"client bundle in {out}: {size / 2**20:.1f} MiB (run it with `moaspec client --bundle {out} --server URL`)")
     return 0
 
 
@@ -511,7 +541,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "client": cmd_client,
-            "bench": cmd_bench, "bench-cs": cmd_bench_cs}
+            "export-client": cmd_export_client, "bench": cmd_bench, "bench-cs": cmd_bench_cs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from moaspec.clientserver import codec
 from moaspec.clientserver.client import RemoteTarget, ServerRefused, SplitGeneration
@@ -284,6 +285,16 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         ids = encode_chat(tiny_llama.tokenizer, chat_messages("The quick brown fox"))
         assert out["text"] == generate(tiny_llama.model, tiny_llama.tokenizer, ids, GenerationConfig(max_new_tokens=12)).text
         assert out["server_calls"] >= 3 and out["bytes_per_token"] > 0
+        # the same from a client bundle: no target layers on the client
+        bundle = tmp_path / "bundle"
+        assert main(["export-client", "--model", str(tiny_dirs["llama"]), "--drafter", str(path), "--output", str(bundle)]) == 0
+        assert "client bundle" in capsys.readouterr().out
+        assert set(load_file(str(bundle / "target.safetensors"))) == {"embed"}  # tied lm_head: nothing more
+        no_model = [a for a in args if a not in ("--model", str(tiny_dirs["llama"]))]
+        assert main([*no_model, "--bundle", str(bundle), "--json", "The quick brown fox"]) == 0
+        assert jsonlib.loads(capsys.readouterr().out)["text"] == out["text"]
+        assert main([*no_model, "--bundle", str(tmp_path), "hi"]) == 2
+        assert "not a client bundle" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--network", "lan+offline-after:4", "--json", "The quick brown fox"]) == 0
         cut = jsonlib.loads(capsys.readouterr().out)
         assert cut["unverified"] > 0 and cut["new_tokens"] == 12 and cut["offline_tokens"] >= cut["unverified"]

@@ -10,9 +10,6 @@ fingerprint differs: a drafter is only useful for the model it learnt from.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ from moaspec.drafters.base import Drafter, DrafterConfig
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
+from moaspec.fileio import atomic_write_dir
 from moaspec.models.loading import LoadedModel
 
 FORMAT = "moaspec-drafter"
@@ -58,25 +56,16 @@ def save_drafter(drafter: Drafter, path: str | Path, target: dict[str, Any], tra
     renamed into place, replacing an older checkpoint.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
                  for k, v in drafter.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"))
         meta = {"format": FORMAT, "version": VERSION, "kind": kind_of(drafter), "config": drafter.cfg.to_dict(),
                 "target": target, "training": training or {}}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1))
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    atomic_write_dir(path, write)
     return path
 
 
