@@ -25,29 +25,19 @@ from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.config import ModelConfig
 from moaspec.models.loading import LoadedModel, load_tokenizer
-from moaspec.models.packed_linear import Linear
+from moaspec.models.transformer import TokenEnds
 
 FORMAT = "moaspec-client-bundle/1"
 
 
-class ClientTarget(nn.Module):
+class ClientTarget(TokenEnds):
     """The target as a client sees it: embeddings and ``lm_head`` only, with the target's config and identity."""
 
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, lm_head: torch.Tensor, fingerprint: str) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding.from_pretrained(embed, freeze=True)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
-        self.lm_head.weight = nn.Parameter(lm_head, requires_grad=False)
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, lm_head: torch.Tensor | None, fingerprint: str) -> None:
+        super().__init__(cfg, device="meta")
+        self.embed.weight = nn.Parameter(embed, requires_grad=False)
+        self.lm_head.weight = self.embed.weight if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
         self.fingerprint = fingerprint
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
 
 
 def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path:
@@ -93,7 +83,7 @@ def load_bundle(path: str | Path, device: str | None = None) -> LoadedModel:
         raise MoaspecError(f"cannot read {path / 'target.safetensors'}: {exc}") from None
     dev = torch.device(device or "cpu")
     embed = tensors["embed"].to(dev, torch.float32)
-    head = tensors["lm_head"].to(dev, torch.float32) if "lm_head" in tensors else embed
+    head = tensors["lm_head"].to(dev, torch.float32) if "lm_head" in tensors else None
     stub = ClientTarget(cfg, embed, head, info["fingerprint"]).eval()
     return LoadedModel(model=stub, tokenizer=load_tokenizer(path / "tokenizer"), cfg=cfg, path=path)  # type: ignore[arg-type]
 

@@ -113,23 +113,22 @@ class ForwardOutput:
     layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-class Transformer(nn.Module):
-    """A Llama/Qwen2/Mistral decoder with explicit positions, masks and cache control."""
+class TokenEnds(nn.Module):
+    """A model's two ends: the embedding table in, ``lm_head`` out (tied or not), its config and identity.
+
+    Everything a MoA drafter without Target Layer Inference borrows from its target, so a
+    client device can hold just this (:mod:`moaspec.clientserver.bundle`).
+    """
 
     fingerprint: str = ""  # identity of the weights it was loaded from (set by the loader)
 
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.blocks = nn.ModuleList(Block(cfg, qkv_bias) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
     def device(self) -> torch.device:
@@ -138,6 +137,18 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+
+class Transformer(TokenEnds):
+    """A Llama/Qwen2/Mistral decoder with explicit positions, masks and cache control."""
+
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
+        super().__init__(cfg)
+        self.blocks = nn.ModuleList(Block(cfg, qkv_bias) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def new_cache(self, capacity: int | None = None, batch_size: int = 1) -> KVCache:
         """A cache for this model; ``capacity`` defaults to the whole context window."""
