@@ -135,10 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
     c.add_argument("--api-key", default=None, help="bearer token (default: $MOASPEC_API_KEY)")
     c.add_argument("--system", default=None, help="system message")
-    c.add_argument("--drafter", default=None, help="MoA drafter (default: the one shipped for the target)")
+    c.add_argument("--drafter", default=None, help="MoA (N = 0) or EAGLE drafter (default: the MoA one shipped for the target)")
     c.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
                    help=f"drafts per verification (default {_default_chain()}, as for generate)")
-    c.add_argument("--state-format", choices=("fp16", "int8"), default="fp16", help="how the server sends memory entries")
+    c.add_argument("--state-format", choices=("fp16", "int8"), default="fp16", help="how the server sends each verified token's state (default fp16)")
     c.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as lost (default 10)")
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
     c.add_argument("--max-new-tokens", type=int, default=256)
