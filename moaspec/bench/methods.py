@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding import GenerationConfig
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationResult
-from moaspec.decoding.speculative import DEFAULT_CHAIN, generate_chain
-from moaspec.decoding.tree import TreeShape, generate_tree
+from moaspec.decoding.speculative import DEFAULT_CHAIN
+from moaspec.decoding.strategy import Strategy
+from moaspec.decoding.tree import TreeShape
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.moa import MoADrafter
-from moaspec.drafters.proposers import EagleProposer, MoAProposer
 from moaspec.errors import MoaspecError
 from moaspec.models.loading import LoadedModel
 
@@ -40,9 +40,9 @@ class MethodOptions:
     pld_tokens: int = 10
 
 
-def _ours(target: LoadedModel, run: Callable[[Sequence[int], GenerationConfig], GenerationResult]) -> Method:
+def _ours(target: LoadedModel, strategy: Strategy) -> Method:
     def method(prompt: Sequence[int], max_new: int) -> GenerationResult:
-        return run(prompt, GenerationConfig(max_new_tokens=max_new))
+        return strategy.run(target, prompt, GenerationConfig(max_new_tokens=max_new))
     return method
 
 
@@ -77,7 +77,6 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN)}")
-    model, tok = target.model, target.tokenizer
     methods: dict[str, Method] = {}
     moa: MoADrafter | None = None
     if {"moa", "moa-chain"} & set(names):
@@ -91,18 +90,18 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
     hf = None
     for name in names:
         if name == "vanilla":
-            methods[name] = _ours(target, lambda p, c: generate(model, tok, p, c))
+            methods[name] = _ours(target, Strategy())
         elif name == "moa":
-            methods[name] = _ours(target, lambda p, c: generate_tree(model, tok, MoAProposer(moa), p, c, opts.tree))
+            methods[name] = _ours(target, Strategy(moa, tree=opts.tree))
         elif name == "moa-chain":
-            methods[name] = _ours(target, lambda p, c: generate_chain(model, tok, MoAProposer(moa), p, c, opts.chain))
+            methods[name] = _ours(target, Strategy(moa, chain=opts.chain))
         elif name == "eagle2":
             if opts.eagle_drafter is None:
                 raise MoaspecError("eagle2 needs --eagle-drafter (train one with `moaspec train --kind eagle`)")
             eagle = load_drafter(opts.eagle_drafter, target)
             if not isinstance(eagle, EagleDrafter):
                 raise MoaspecError(f"{opts.eagle_drafter} is not an EAGLE drafter")
-            methods[name] = _ours(target, lambda p, c, e=eagle: generate_tree(model, tok, EagleProposer(e), p, c, opts.tree))
+            methods[name] = _ours(target, Strategy(eagle, tree=opts.tree))
         else:
             if hf is None:
                 from transformers import AutoModelForCausalLM
