@@ -122,15 +122,5 @@ class Engine:
         finally:
             cancel.set()
 
-    async def complete(self, prompt_ids: Sequence[int], config: GenerationConfig) -> tuple[GenerationResult, list[Piece]]:
-        """The whole generation at once, with its pieces (for draft statistics)."""
-        pieces: list[Piece] = []
-        async for item in self.stream(prompt_ids, config):
-            if isinstance(item, Piece):
-                pieces.append(item)
-            else:
-                return item, pieces
-        raise RuntimeError("generation ended without a result")
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
