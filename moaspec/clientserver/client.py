@@ -311,9 +311,9 @@ class SplitGeneration:
             room = budget - len(sink.tokens) - len(tail)
             finished = room <= 0 or any(t in self.eos for t in tail)
             if not finished:  # extend the unverified tail with the drafter alone
-                drafts = self._draft(max(1, min(self.retry_every, room, self.view.capacity - len(self.tokens) - 1)))
-                self._extend(drafts, offline)
-                offline_tokens += len(drafts)
+                alone = self._draft(max(1, min(self.retry_every, room, self.view.capacity - len(self.tokens) - 1)))
+                self._extend(alone, offline)
+                offline_tokens += len(alone)
             if self._resync():
                 resyncs += 1
                 offline = None
