@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="distil a MoA drafter from the target (HF Accelerate; works under accelerate launch / torchrun)")
     t.add_argument("--data", required=True, help="directory made by `moaspec data`")
     t.add_argument("--output", required=True, help="run directory: state, logs, and the exported drafter in OUTPUT/drafter (resumes if it exists)")
-    t.add_argument("--kind", choices=("moa", "eagle"), default="moa", help="drafter to train: MoA, or the EAGLE baseline")
+    t.add_argument("--kind", choices=("moa", "eagle", "independent"), default="moa",
+                   help="drafter to train: MoA, the EAGLE baseline, or an independent small model (classic speculative decoding)")
     t.add_argument("--steps", type=int, default=1000, help="optimizer updates")
     t.add_argument("--tokens-per-batch", type=int, default=4096, help="tokens per micro-batch and process, padding included")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
@@ -103,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
     t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")
     t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: 1.5x its input)")
+    t.add_argument("--layers", type=int, default=None,
+                   help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
     t.add_argument("--init-from", default="", help="start from this exported drafter (RUN/drafter) instead of random weights")
+    t.add_argument("--same-data-as", default="", metavar="RUN",
+                   help="train on exactly the batches another run used (its shards per epoch and draft vocabulary): "
+                        "a like-for-like comparison even after the data set grew")
     t.add_argument("--no-feature-cache", action="store_true",
                    help="recompute the target's features every epoch instead of caching them (fp16, ~24 KiB/token for SmolLM2) under DATA/features")
     t.add_argument("--no-progress", action="store_true")
@@ -310,13 +316,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
         mixed_precision=args.mixed_precision, cache_features=not args.no_feature_cache, init_from=args.init_from,
+        same_data_as=args.same_data_as,
     )
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
-    if args.kind == "eagle" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_mlp):
+    if args.kind != "moa" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_mlp):
         raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp and --lsa-mlp apply to MoA drafters only")
-    sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_mlp": args.lsa_mlp} if args.kind == "moa" else {}
+    if args.layers is not None and (args.kind != "independent" or not 1 <= args.layers < loaded.cfg.num_layers):
+        raise MoaspecError(f"--layers applies to independent drafters and must be in 1..{loaded.cfg.num_layers - 1}")
+    sizes: dict[str, int | None] = {}
+    if args.kind == "moa":
+        sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_mlp": args.lsa_mlp}
+    elif args.kind == "independent":
+        sizes = {"layers": args.layers}
     trainer = Trainer(loaded, Path(args.data), Path(args.output), cfg, sizes, progress=not args.no_progress)
     summary = trainer.train()
     if trainer.acc.is_main_process:

@@ -14,7 +14,8 @@ from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
-from moaspec.drafters.proposers import EagleProposer, MoAProposer
+from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
+from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer
 from moaspec.models.kv_cache import KVCache
 
 
@@ -63,10 +64,21 @@ def eagle_proposer(loaded, vocab: int = 0) -> EagleProposer:  # type: ignore[no-
     return EagleProposer(d.eval())
 
 
+def independent_proposer(loaded, vocab: int = 0, layers: int = 1) -> IndependentProposer:  # type: ignore[no-untyped-def]
+    """A drafter made of the target's first ``layers`` blocks; all of them makes it the target itself."""
+    d = IndependentDrafter(IndependentConfig.for_target(loaded.cfg, draft_vocab_size=vocab, layers=layers))
+    if vocab:
+        d.set_draft_vocab(torch.arange(vocab))
+    d.copy_target_layers(loaded.model)
+    d.attach(loaded.model)
+    return IndependentProposer(d.eval())
+
+
 PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 
 
-@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "eagle"])
+@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "eagle", "independent",
+                                  "independent-whole"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -76,13 +88,15 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "oracle": lambda: OracleProposer(model), "oracle-corrupt": lambda: OracleProposer(model, corrupt_every=3),
             "moa": lambda: moa_proposer(tiny_llama), "moa-tli1": lambda: moa_proposer(tiny_llama, tli=1),
             "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100), "eagle": lambda: eagle_proposer(tiny_llama, vocab=100),
+            "independent": lambda: independent_proposer(tiny_llama, vocab=100),
+            "independent-whole": lambda: independent_proposer(tiny_llama, layers=tiny_llama.cfg.num_layers),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)
         assert got.token_ids == want.token_ids
         assert got.finish_reason == want.finish_reason
         assert sum(got.accepted_lengths) >= len(got.token_ids) - 1
-        if kind == "oracle":
+        if kind in ("oracle", "independent-whole"):  # every draft is the target's own token
             assert got.tau > min(draft_len, 3)  # all drafts accepted except at the budget's end
 
 
@@ -144,12 +158,12 @@ def test_verify_sampling_with_one_hot_distributions_is_greedy() -> None:
     assert verify_sampling(torch.tensor([1]), q, p, None).next_token == 0
 
 
-@pytest.mark.parametrize("kind", ["moa", "moa-vocab", "eagle"])
+@pytest.mark.parametrize("kind", ["moa", "moa-vocab", "eagle", "independent"])
 def test_sampled_chain_runs_and_is_reproducible(tiny_llama, kind: str) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
     cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=5))
     make = {"moa": lambda: moa_proposer(tiny_llama), "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100),
-            "eagle": lambda: eagle_proposer(tiny_llama)}[kind]
+            "eagle": lambda: eagle_proposer(tiny_llama), "independent": lambda: independent_proposer(tiny_llama)}[kind]
     a = generate_chain(model, tok, make(), PROMPTS[1], cfg)
     b = generate_chain(model, tok, make(), PROMPTS[1], cfg)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 30

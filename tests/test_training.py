@@ -80,7 +80,7 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
 
 
 def test_tli_training_runs(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=4, tli_layers=1, eval_every=4), progress=False).train()
+    Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=4, tli_layers=2, eval_every=4), progress=False).train()
     log = read_log(tmp_path / "run" / "train_log.csv")
     assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in log)
 
@@ -210,3 +210,35 @@ def test_warm_start_from_an_exported_drafter(tiny_llama, tiny_data: Path, tmp_pa
     with pytest.raises(MoaspecError, match="not a eagle drafter"):
         Trainer(tiny_llama, tiny_data, tmp_path / "c", small(kind="eagle", init_from=str(tmp_path / "a" / "drafter")),
                 progress=False)
+
+
+def test_independent_training_starts_from_the_target_and_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.drafters.checkpoint import load_drafter
+    from moaspec.drafters.independent import IndependentDrafter
+
+    t = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(kind="independent"), {"layers": 2}, progress=False)
+    target_block = tiny_llama.model.blocks[1].state_dict()
+    for k, v in t.raw.blocks[1].state_dict().items():
+        torch.testing.assert_close(v, target_block[k].float(), msg=k)  # a copy of the target's second block
+    t.train()
+    log = read_log(tmp_path / "run" / "train_log.csv")
+    first = sum(float(r["loss"]) for r in log[:5]) / 5
+    last = sum(float(r["loss"]) for r in log[-5:]) / 5
+    assert last < 0.9 * first, (first, last)
+    drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
+    assert isinstance(drafter, IndependentDrafter) and len(drafter.blocks) == 2
+
+
+def test_same_data_as_replays_another_runs_batches(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A baseline trained with --same-data-as sees the reference run's batches, step by step, and its draft vocabulary."""
+    from moaspec.drafters.checkpoint import load_drafter
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "moa", small(steps=8, save_every=8, eval_every=100), progress=False).train()
+    Trainer(tiny_llama, tiny_data, tmp_path / "eagle",
+            small(kind="eagle", steps=8, save_every=8, eval_every=100, same_data_as=str(tmp_path / "moa")), progress=False).train()
+    ref, mine = read_log(tmp_path / "moa" / "train_log.csv"), read_log(tmp_path / "eagle" / "train_log.csv")
+    assert [r["tokens"] for r in ref] == [r["tokens"] for r in mine]
+    a, b = load_drafter(tmp_path / "moa" / "drafter", tiny_llama), load_drafter(tmp_path / "eagle" / "drafter", tiny_llama)
+    assert torch.equal(a.draft_vocab, b.draft_vocab)
+    with pytest.raises(MoaspecError, match="progress.json"):
+        Trainer(tiny_llama, tiny_data, tmp_path / "x", small(kind="eagle", same_data_as=str(tmp_path)), progress=False)

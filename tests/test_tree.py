@@ -11,7 +11,7 @@ from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.tree import DraftTree, TreeShape, generate_tree
 from moaspec.decoding.verify import verify_tree
 from moaspec.models.kv_cache import KVCache
-from test_speculative import PROMPTS, chi_square_p, eagle_proposer, moa_proposer
+from test_speculative import PROMPTS, chi_square_p, eagle_proposer, independent_proposer, moa_proposer
 
 
 class OracleTree:
@@ -45,7 +45,7 @@ class OracleTree:
         pass
 
 
-@pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "eagle"])
+@pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "eagle", "independent", "independent-whole"])
 @pytest.mark.parametrize("shape", [TreeShape(1, 1, 2), TreeShape(3, 2, 8), TreeShape(5, 4, 24)])
 def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -55,11 +55,13 @@ def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> 
             "oracle": lambda: OracleTree(model), "moa": lambda: moa_proposer(tiny_llama),
             "moa-tli1": lambda: moa_proposer(tiny_llama, tli=1), "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100),
             "eagle": lambda: eagle_proposer(tiny_llama, vocab=100),
+            "independent": lambda: independent_proposer(tiny_llama, vocab=100),
+            "independent-whole": lambda: independent_proposer(tiny_llama, layers=tiny_llama.cfg.num_layers),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_tree(model, tok, proposer, prompt, cfg, shape)
         assert got.token_ids == want.token_ids
-        if kind == "oracle" and shape.total >= 13:
+        if kind in ("oracle", "independent-whole") and shape.total >= 13:
             assert got.tau > 3.5
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from moaspec.drafters.base import Drafter, DrafterConfig
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_dir
@@ -29,6 +30,7 @@ VERSION = 1
 KINDS: dict[str, tuple[type[DrafterConfig], type[Drafter]]] = {
     "moa": (MoAConfig, MoADrafter),
     "eagle": (EagleConfig, EagleDrafter),
+    "independent": (IndependentConfig, IndependentDrafter),
 }
 
 

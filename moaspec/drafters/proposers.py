@@ -19,6 +19,7 @@ from moaspec.decoding.sampling import SamplingParams, sample, warp_logits
 from moaspec.decoding.tree import DraftTree, TreeShape
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.eagle import EagleDrafter
+from moaspec.drafters.independent import IndependentDrafter
 from moaspec.drafters.moa import MoADrafter, MoAState
 from moaspec.models.kv_cache import KVCache
 
@@ -47,8 +48,13 @@ class DrafterProposer:
         raise NotImplementedError
 
     def _catch_up(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed every verified token the drafter has not seen, ending with the newest; its logits and feature."""
-        raise NotImplementedError
+        """Feed every verified token the drafter has not seen, ending with the newest; its logits and feature.
+
+        The default suits drafters whose own cache is indexed by token position alone.
+        """
+        start = self._own_length()
+        feed = torch.tensor([list(tokens[start:])], device=self.device)
+        return self._feed(feed, torch.arange(start, len(tokens), device=self.device), None, None, 1)
 
     def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
         """After a verification: keep the drafter's entries of accepted tokens, learn the new verified state."""
@@ -162,6 +168,14 @@ class DrafterProposer:
         assert self.cache is not None
         return self.cache.capacity
 
+    @staticmethod
+    def _keep_accepted(own: KVCache, verified: int, keep_slots: list[int] | None) -> None:
+        """Trim a token cache to the verified tokens: a chain's prefix, or a tree's accepted path compacted into place."""
+        if keep_slots is None:
+            own.truncate(min(own.length, verified))
+        else:
+            own.compact(keep_slots[0], torch.tensor(keep_slots) - keep_slots[0])
+
     def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         """``verified`` tokens are now in the target's cache: a chain's accepted prefix, or a tree's ``path``.
 
@@ -205,19 +219,9 @@ class MoAProposer(DrafterProposer):
             self.cache.length = verified  # the target's verified length is unchanged by drafting
         return logits[0], None
 
-    def _catch_up(self, tokens: Sequence[int]) -> tuple[torch.Tensor, None]:
-        assert self.state is not None
-        start = self.state.sa.length
-        feed = torch.tensor([list(tokens[start:])], device=self.device)
-        return self._feed(feed, torch.arange(start, len(tokens), device=self.device), None, None, 1)
-
     def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
         assert self.state is not None and self.cache is not None
-        sa = self.state.sa
-        if keep_slots is None:
-            sa.truncate(min(sa.length, verified))
-        else:
-            sa.compact(keep_slots[0], torch.tensor(keep_slots) - keep_slots[0])
+        self._keep_accepted(self.state.sa, verified, keep_slots)
         self.drafter.observe(self.state, self.cache, verified)
 
 
@@ -267,10 +271,41 @@ class EagleProposer(DrafterProposer):
         self.own.truncate(min(self.own.length, root + 1))  # drafted entries were made from predicted features
 
 
+class IndependentProposer(DrafterProposer):
+    """Classic speculative decoding: the drafter's own cache holds every token; drafted entries are rolled back."""
+
+    def __init__(self, drafter: IndependentDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.own: KVCache | None = None
+
+    def _begin(self, hidden: torch.Tensor | None) -> None:
+        assert self.cache is not None
+        self.own = self.drafter.new_cache(self.cache.capacity)
+
+    def _own_length(self) -> int:
+        assert self.own is not None
+        return self.own.length
+
+    def _room(self) -> int:
+        assert self.own is not None
+        return self.own.capacity
+
+    def _feed(self, tokens, positions, mask, parent_features, outputs):  # type: ignore[no-untyped-def]
+        assert self.own is not None
+        return self.drafter.step(self.own, tokens, positions, mask, outputs)[0], None
+
+    def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
+        assert self.own is not None
+        self._keep_accepted(self.own, verified, keep_slots)
+
+
 def proposer_for(drafter: Drafter) -> DrafterProposer:
     """A fresh proposer (one per generation: it holds that generation's drafter state)."""
     if isinstance(drafter, MoADrafter):
         return MoAProposer(drafter)
     if isinstance(drafter, EagleDrafter):
         return EagleProposer(drafter)
+    if isinstance(drafter, IndependentDrafter):
+        return IndependentProposer(drafter)
     raise TypeError(f"no proposer for {type(drafter).__name__}")

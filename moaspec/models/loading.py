@@ -95,6 +95,28 @@ def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     return out
 
 
+def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`convert_hf_state_dict`: this runtime's fused layout under HF Llama names."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_dim
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm"]}
+    if "lm_head.weight" in state and not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        b, p = f"blocks.{i}.", f"model.layers.{i}."
+        for name, part in zip("qkv", state[b + "attn.qkv.weight"].split((q, kv, kv))):
+            out[p + f"self_attn.{name}_proj.weight"] = part
+        if b + "attn.qkv.bias" in state:
+            for name, part in zip("qkv", state[b + "attn.qkv.bias"].split((q, kv, kv))):
+                out[p + f"self_attn.{name}_proj.bias"] = part
+        out[p + "self_attn.o_proj.weight"] = state[b + "attn.o.weight"]
+        gate, up = state[b + "mlp.gate_up.weight"].split(cfg.intermediate_size)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        out[p + "mlp.down_proj.weight"] = state[b + "mlp.down.weight"]
+        out[p + "input_layernorm.weight"] = state[b + "attn_norm"]
+        out[p + "post_attention_layernorm.weight"] = state[b + "mlp_norm"]
+    return out
+
+
 def build_transformer(
     cfg: ModelConfig, hf_state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
 ) -> Transformer:

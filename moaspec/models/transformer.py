@@ -60,13 +60,18 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = apply_rope(q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         end = start + T
-        k_cache[:, :, start:end] = k
-        v_cache[:, :, start:end] = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            # Training through these blocks (a drafter's own, or TLI): attend over fresh tensors.
+            # Every layer's cache is a view of one buffer, so a later layer's in-place write
+            # would invalidate the views autograd saved here.
+            keys, values = torch.cat([k_cache[:, :, :start], k], dim=2), torch.cat([v_cache[:, :, :start], v], dim=2)
+            k_cache[:, :, start:end], v_cache[:, :, start:end] = k.detach(), v.detach()
+        else:
+            k_cache[:, :, start:end], v_cache[:, :, start:end] = k, v
+            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.eagle import EagleDrafter
+from moaspec.drafters.independent import IndependentDrafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
@@ -82,12 +83,16 @@ def drafter_loss(drafter: Drafter, target: Transformer, batch: Batch, masks: Mas
 
     ``wrapped`` is the drafter as the training framework wrapped it (DDP): its forward
     must be the one called so that gradients are synchronised. An EAGLE drafter gets
-    the same loss, teacher-forced on the target's features as EAGLE trains.
+    the same loss, teacher-forced on the target's features as EAGLE trains; an
+    independent drafter gets it too, reading tokens only.
     """
     device = tgt.final.device
     sel = masks.loss.to(device)
     if isinstance(drafter, EagleDrafter):
         pred = (wrapped or drafter)(batch.tokens.to(device), tgt.final)
+        N = 0
+    elif isinstance(drafter, IndependentDrafter):
+        pred = (wrapped or drafter)(batch.tokens.to(device))
         N = 0
     else:
         assert isinstance(drafter, MoADrafter)

@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
-from moaspec.drafters.checkpoint import save_drafter, target_identity
+from moaspec.drafters.base import Drafter
+from moaspec.drafters.checkpoint import kind_of, save_drafter, target_identity
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
@@ -40,7 +42,7 @@ from moaspec.training.masks import staircase_probability
 
 @dataclass(frozen=True)
 class TrainConfig:
-    kind: str = "moa"  # moa | eagle
+    kind: str = "moa"  # moa | eagle | independent
     steps: int = 1000  # optimizer updates
     tokens_per_batch: int = 4096  # per micro-batch and process, padding included
     grad_accum: int = 1
@@ -63,6 +65,7 @@ class TrainConfig:
     mixed_precision: str = "auto"  # auto | no | fp16 | bf16
     cache_features: bool = True  # keep the target's features on disk after their first computation
     init_from: str = ""  # start from this exported drafter instead of random weights
+    same_data_as: str = ""  # replay this run's shards per epoch and draft vocabulary (a like-for-like comparison)
 
 
 def lr_lambda(cfg: TrainConfig):  # type: ignore[no-untyped-def]
@@ -102,7 +105,7 @@ class Trainer:
         feature_dir = data_dir / "features" / f"{target.fingerprint}-len{cfg.max_len}-tli{cfg.tli_layers}"
         self.features = FeatureStore(target.model, cfg.tli_layers, feature_dir if cfg.cache_features else None)
         torch.manual_seed(cfg.seed)
-        drafter: MoADrafter | EagleDrafter
+        drafter: Drafter
         if cfg.init_from:
             drafter = self._warm_start(target, Path(cfg.init_from))
         elif cfg.kind == "moa":
@@ -110,9 +113,18 @@ class Trainer:
                                                       draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
         elif cfg.kind == "eagle":
             drafter = EagleDrafter(EagleConfig.for_target(target.cfg, draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
+        elif cfg.kind == "independent":
+            drafter = IndependentDrafter(IndependentConfig.for_target(target.cfg, draft_vocab_size=cfg.draft_vocab,
+                                                                      **(sizes or {})))
+            drafter.copy_target_layers(target.model)
         else:
-            raise MoaspecError(f"unknown drafter kind {cfg.kind!r}: choose moa or eagle")
-        if cfg.draft_vocab and not cfg.init_from:
+            raise MoaspecError(f"unknown drafter kind {cfg.kind!r}: choose moa, eagle or independent")
+        self.epoch_shards: dict[int, int] = {}
+        if cfg.same_data_as:
+            self.epoch_shards, vocab = self._reference_data(target, Path(cfg.same_data_as))
+            if vocab is not None:
+                drafter.set_draft_vocab(vocab)
+        elif cfg.draft_vocab and not cfg.init_from:
             eos = list(target.cfg.eos_token_ids) + list(getattr(target.tokenizer, "all_special_ids", []) or [])
             drafter.set_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, eos, target.cfg.vocab_size))
         if isinstance(drafter, MoADrafter) and drafter.out_norm is not None and not cfg.init_from:  # start from the target's own final norm: the feature lives in its output space
@@ -125,20 +137,41 @@ class Trainer:
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg))
         self.model, self.optim, self.sched = self.acc.prepare(drafter, optim, sched)
         self.step, self.tokens, self.wall = 0, 0, 0.0
-        self.epoch_shards: dict[int, int] = {}
         self._resume()
 
-    def _warm_start(self, target: LoadedModel, path: Path) -> MoADrafter | EagleDrafter:
+    def _warm_start(self, target: LoadedModel, path: Path) -> Drafter:
         """Continue from an exported drafter (its architecture and draft vocabulary), e.g. on more data."""
         from moaspec.drafters.checkpoint import load_drafter
 
         drafter = load_drafter(path, target)
-        if not isinstance(drafter, (MoADrafter, EagleDrafter)) or (isinstance(drafter, MoADrafter)) != (self.cfg.kind == "moa"):
+        if kind_of(drafter) != self.cfg.kind:
             raise MoaspecError(f"--init-from {path} is not a {self.cfg.kind} drafter")
         if drafter.cfg.draft_vocab_size != self.cfg.draft_vocab or getattr(drafter.cfg, "tli_layers", 0) != self.cfg.tli_layers:
             raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size} and TLI "
                                f"{getattr(drafter.cfg, 'tli_layers', 0)}; pass the same --draft-vocab and --tli-layers")
         return drafter.float().requires_grad_(True)
+
+    def _reference_data(self, target: LoadedModel, run: Path) -> tuple[dict[int, int], torch.Tensor | None]:
+        """The shards each epoch of ``run`` used, and its draft vocabulary.
+
+        Batch order is a pure function of (examples, seed, epoch), so with the same seed,
+        batch size and these, a second drafter trains on exactly the same batches in the
+        same order as the first, even if the data set has grown since.
+        """
+        from moaspec.drafters.checkpoint import load_drafter
+
+        try:
+            shards = {int(k): int(v) for k, v in json.loads((run / "progress.json").read_text())["epoch_shards"].items()}
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise MoaspecError(f"--same-data-as {run}: not a training run directory with progress.json ({e})") from e
+        available = len(read_manifest(self.data_dir)["shards"])
+        if shards and max(shards.values()) > available:
+            raise MoaspecError(f"--same-data-as {run} used {max(shards.values())} shards; {self.data_dir} has {available}")
+        ref = load_drafter(run / "drafter", target)
+        if ref.cfg.draft_vocab_size != self.cfg.draft_vocab:
+            raise MoaspecError(f"--same-data-as {run} has draft vocabulary {ref.cfg.draft_vocab_size}; "
+                               f"pass --draft-vocab {ref.cfg.draft_vocab_size}")
+        return shards, None if ref.draft_vocab is None else ref.draft_vocab.clone()
 
     # --- persistence ------------------------------------------------------------------
 
