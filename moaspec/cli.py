@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
     t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")
     t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: 1.5x its input)")
+    t.add_argument("--no-lsa", action="store_true",
+                   help="ablation: MoA's memory from the target's final states instead of Layer Self-Attention over all layers")
     t.add_argument("--layers", type=int, default=None,
                    help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
     t.add_argument("--init-from", default="", help="start from this exported drafter (RUN/drafter) instead of random weights")
@@ -181,13 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
     b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
-    b.add_argument("--methods", default="vanilla,moa,hf", help="comma list from vanilla, moa, moa-chain, eagle2, hf, hf-pld")
+    b.add_argument("--methods", default="vanilla,moa,hf",
+                   help="comma list from vanilla, moa, moa-chain, eagle2, independent, hf, hf-pld, hf-assisted")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
     b.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
     b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2")
-    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain")
+    b.add_argument("--independent-drafter", default=None, help="independent drafter for independent and hf-assisted")
+    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain and independent")
     _add_tree_options(b)
     b.add_argument("--no-progress", action="store_true")
     _add_model_options(b)
@@ -321,13 +325,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
-    if args.kind != "moa" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_mlp):
-        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp and --lsa-mlp apply to MoA drafters only")
+    if args.kind != "moa" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_mlp or args.no_lsa):
+        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-mlp and --no-lsa apply to MoA drafters only")
     if args.layers is not None and (args.kind != "independent" or not 1 <= args.layers < loaded.cfg.num_layers):
         raise MoaspecError(f"--layers applies to independent drafters and must be in 1..{loaded.cfg.num_layers - 1}")
-    sizes: dict[str, int | None] = {}
+    sizes: dict[str, int | str | None] = {}
     if args.kind == "moa":
-        sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_mlp": args.lsa_mlp}
+        sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_mlp": args.lsa_mlp,
+                 "memory_source": "last-layer" if args.no_lsa else None}
     elif args.kind == "independent":
         sizes = {"layers": args.layers}
     trainer = Trainer(loaded, Path(args.data), Path(args.output), cfg, sizes, progress=not args.no_progress)
@@ -353,7 +358,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise MoaspecError("--max-new-tokens, --limit and --chain must be >= 1")
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = _load(args)
-    opts = MethodOptions(moa_drafter=args.drafter, eagle_drafter=args.eagle_drafter, chain=args.chain,
+    opts = MethodOptions(moa_drafter=args.drafter, eagle_drafter=args.eagle_drafter,
+                         independent_drafter=args.independent_drafter, chain=args.chain,
                          tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total))
     methods = build_methods(names, loaded, opts)
     summary = run_bench(loaded, questions, methods, args.max_new_tokens, Path(args.output), progress=not args.no_progress)

@@ -11,6 +11,7 @@ import torch
 from moaspec.cli import main
 from moaspec.drafters.checkpoint import save_drafter, target_identity
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 
 
@@ -24,23 +25,29 @@ def setup(tiny_llama, tmp_path: Path) -> dict[str, Path]:  # type: ignore[no-unt
     torch.manual_seed(0)
     moa = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
     eagle = EagleDrafter(EagleConfig.for_target(tiny_llama.cfg))
+    independent = IndependentDrafter(IndependentConfig.for_target(tiny_llama.cfg, layers=2))
+    independent.copy_target_layers(tiny_llama.model)
     return {
         "questions": qdir,
         "moa": save_drafter(moa, tmp_path / "moa", target_identity(tiny_llama)),
         "eagle": save_drafter(eagle, tmp_path / "eagle", target_identity(tiny_llama)),
+        "independent": save_drafter(independent, tmp_path / "independent", target_identity(tiny_llama)),
     }
+
+
+ALL = ("vanilla", "moa", "moa-chain", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
 
 
 def test_bench_writes_summary_answers_and_plots(tiny_dirs, setup, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "bench"
     rc = main(["bench", "--model", str(tiny_dirs["llama"]), "--questions", str(setup["questions"]),
-               "--methods", "vanilla,moa,moa-chain,eagle2,hf,hf-pld", "--max-new-tokens", "12", "--limit", "2",
+               "--methods", ",".join(ALL), "--max-new-tokens", "12", "--limit", "2",
                "--output", str(out), "--drafter", str(setup["moa"]), "--eagle-drafter", str(setup["eagle"]),
-               "--no-progress"])
+               "--independent-drafter", str(setup["independent"]), "--no-progress"])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     res = summary["results"]
-    assert set(res) == {"vanilla", "moa", "moa-chain", "eagle2", "hf", "hf-pld"}
+    assert set(res) == set(ALL)
     for m, per in res.items():
         assert set(per) == {"mt_bench", "qa", "overall"}
         o = per["overall"]
@@ -49,7 +56,7 @@ def test_bench_writes_summary_answers_and_plots(tiny_dirs, setup, tmp_path: Path
         assert o["prompts"] == 3 and o["new_tokens"] > 0
     assert res["vanilla"]["overall"]["speedup"] == 1.0
     rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * 6
+    assert len(rows) == 3 * len(ALL)
     assert all(len(r["turns"]) == (2 if r["category"] == "mt_bench" else 1) for r in rows)
     assert (out / "speedup.png").stat().st_size > 0 and (out / "accepted_lengths.png").stat().st_size > 0
     assert "moa-chain" in capsys.readouterr().out
@@ -59,6 +66,7 @@ def test_bench_writes_summary_answers_and_plots(tiny_dirs, setup, tmp_path: Path
     (["--methods", "vanilla,warp"], "unknown method"),
     (["--methods", "vanilla,vanilla"], "distinct"),
     (["--methods", "eagle2"], "needs --eagle-drafter"),
+    (["--methods", "hf-assisted"], "needs --independent-drafter"),
     (["--limit", "0"], ">= 1"),
 ])
 def test_bench_rejects_bad_options(tiny_dirs, setup, tmp_path: Path, capsys, argv, message) -> None:  # type: ignore[no-untyped-def]

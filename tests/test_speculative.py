@@ -46,9 +46,9 @@ class OracleProposer:
         pass
 
 
-def moa_proposer(loaded, tli: int = 0, vocab: int = 0) -> MoAProposer:  # type: ignore[no-untyped-def]
+def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa") -> MoAProposer:  # type: ignore[no-untyped-def]
     torch.manual_seed(3)
-    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab))
+    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory))
     if vocab:
         d.set_draft_vocab(torch.arange(vocab))
     d.attach(loaded.model)
@@ -77,8 +77,8 @@ def independent_proposer(loaded, vocab: int = 0, layers: int = 1) -> Independent
 PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 
 
-@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "eagle", "independent",
-                                  "independent-whole"])
+@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "eagle",
+                                  "independent", "independent-whole"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -90,6 +90,7 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "moa-vocab": lambda: moa_proposer(tiny_llama, vocab=100), "eagle": lambda: eagle_proposer(tiny_llama, vocab=100),
             "independent": lambda: independent_proposer(tiny_llama, vocab=100),
             "independent-whole": lambda: independent_proposer(tiny_llama, layers=tiny_llama.cfg.num_layers),
+            "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)

@@ -79,10 +79,19 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
     assert isinstance(load_drafter(tmp_path / "run" / "drafter", tiny_llama), EagleDrafter)
 
 
-def test_tli_training_runs(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=4, tli_layers=2, eval_every=4), progress=False).train()
+@pytest.mark.parametrize("cfg, sizes", [
+    (dict(tli_layers=2), None),  # two reused layers: backward runs through both
+    (dict(), {"memory_source": "last-layer"}),  # the ablation without LSA
+])
+def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.drafters.checkpoint import load_drafter
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=4, eval_every=4, save_every=4, **cfg), sizes,
+            progress=False).train()
     log = read_log(tmp_path / "run" / "train_log.csv")
     assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in log)
+    drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
+    assert drafter.cfg.tli_layers == cfg.get("tli_layers", 0) and drafter.uses_lsa == (sizes is None)
 
 
 def test_resume_is_exact(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

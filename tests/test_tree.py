@@ -45,7 +45,8 @@ class OracleTree:
         pass
 
 
-@pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "eagle", "independent", "independent-whole"])
+@pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "eagle", "independent",
+                                  "independent-whole"])
 @pytest.mark.parametrize("shape", [TreeShape(1, 1, 2), TreeShape(3, 2, 8), TreeShape(5, 4, 24)])
 def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -57,6 +58,7 @@ def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> 
             "eagle": lambda: eagle_proposer(tiny_llama, vocab=100),
             "independent": lambda: independent_proposer(tiny_llama, vocab=100),
             "independent-whole": lambda: independent_proposer(tiny_llama, layers=tiny_llama.cfg.num_layers),
+            "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_tree(model, tok, proposer, prompt, cfg, shape)

@@ -22,19 +22,22 @@ from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters.base import Drafter
 from moaspec.drafters.eagle import EagleDrafter
+from moaspec.drafters.independent import IndependentDrafter, to_hf_llama
 from moaspec.drafters.moa import MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.models.loading import LoadedModel
 
 Method = Callable[[Sequence[int], int], GenerationResult]
-KNOWN = ("vanilla", "moa", "moa-chain", "eagle2", "hf", "hf-pld")
+KNOWN = ("vanilla", "moa", "moa-chain", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
 
 
 @dataclass(frozen=True)
 class MethodOptions:
     moa_drafter: str | None = None  # default: the shipped one
     eagle_drafter: str | None = None
+    independent_drafter: str | None = None
     tree: TreeShape = TreeShape()
     chain: int = DEFAULT_CHAIN
     pld_tokens: int = 10
@@ -73,20 +76,42 @@ def _hf(target: LoadedModel, hf: object, **kwargs: object) -> Method:
     return method
 
 
+_HOW = {
+    MoADrafter: "--drafter",
+    EagleDrafter: "--eagle-drafter (train one with `moaspec train --kind eagle`)",
+    IndependentDrafter: "--independent-drafter (train one with `moaspec train --kind independent`)",
+}
+
+
+def _drafter(path: str | None, kind: type[Drafter], used_by: str, target: LoadedModel) -> Drafter:
+    if path is None:
+        raise MoaspecError(f"{used_by} needs {_HOW[kind]}")
+    drafter = load_drafter(path, target)
+    if not isinstance(drafter, kind):
+        raise MoaspecError(f"{path} is not a drafter of the kind {used_by} needs ({kind.__name__})")
+    return drafter
+
+
 def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions) -> dict[str, Method]:
+    """The methods by name; drafters load once each, and one transformers model serves every hf method.
+
+    ``independent`` drafts chains (classic speculative decoding) of ``opts.chain``;
+    ``hf-assisted`` hands the same independent drafter, converted to a transformers
+    ``LlamaForCausalLM``, to ``generate`` as its ``assistant_model``.
+    """
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN)}")
     methods: dict[str, Method] = {}
-    moa: MoADrafter | None = None
+    moa = None
     if {"moa", "moa-chain"} & set(names):
         path = opts.moa_drafter or shipped_drafter(target)
         if path is None:
             raise MoaspecError(f"no MoA drafter for {target.path.name}: pass --drafter")
-        loaded = load_drafter(path, target)
-        if not isinstance(loaded, MoADrafter):
-            raise MoaspecError(f"{path} is not a MoA drafter")
-        moa = loaded
+        moa = _drafter(str(path), MoADrafter, "moa", target)
+    independent = None
+    if {"independent", "hf-assisted"} & set(names):
+        independent = _drafter(opts.independent_drafter, IndependentDrafter, "independent / hf-assisted", target)
     hf = None
     for name in names:
         if name == "vanilla":
@@ -96,16 +121,19 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
         elif name == "moa-chain":
             methods[name] = _ours(target, Strategy(moa, chain=opts.chain))
         elif name == "eagle2":
-            if opts.eagle_drafter is None:
-                raise MoaspecError("eagle2 needs --eagle-drafter (train one with `moaspec train --kind eagle`)")
-            eagle = load_drafter(opts.eagle_drafter, target)
-            if not isinstance(eagle, EagleDrafter):
-                raise MoaspecError(f"{opts.eagle_drafter} is not an EAGLE drafter")
-            methods[name] = _ours(target, Strategy(eagle, tree=opts.tree))
+            methods[name] = _ours(target, Strategy(_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
+        elif name == "independent":
+            methods[name] = _ours(target, Strategy(independent, chain=opts.chain))
         else:
             if hf is None:
                 from transformers import AutoModelForCausalLM
 
                 hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
-            methods[name] = _hf(target, hf) if name == "hf" else _hf(target, hf, prompt_lookup_num_tokens=opts.pld_tokens)
+            if name == "hf":
+                methods[name] = _hf(target, hf)
+            elif name == "hf-pld":
+                methods[name] = _hf(target, hf, prompt_lookup_num_tokens=opts.pld_tokens)
+            else:
+                assert isinstance(independent, IndependentDrafter)
+                methods[name] = _hf(target, hf, assistant_model=to_hf_llama(independent))
     return methods

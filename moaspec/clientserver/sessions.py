@@ -47,7 +47,7 @@ def state_kinds(moa: MoADrafter | None) -> dict[str, StateFn | None]:
     if moa is not None:
         if moa.cfg.tli_layers:
             raise SessionError(400, "client–server decoding supports MoA drafters without Target Layer Inference (N = 0)")
-        kinds["moa"] = lambda cache, start, end, hidden: moa.memory(cache.token_kv(start, end))[0]
+        kinds["moa"] = moa.memory_entries
     return kinds
 
 

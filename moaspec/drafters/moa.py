@@ -29,6 +29,9 @@ from moaspec.models.packed_linear import Linear
 from moaspec.models.transformer import rope_tables
 
 
+MEMORY_SOURCES = ("lsa", "last-layer")
+
+
 @dataclass(frozen=True)
 class MoAConfig(DrafterConfig):
     """Architecture of a MoA drafter (SA/CA use the base's heads; LSA its own)."""
@@ -41,6 +44,7 @@ class MoAConfig(DrafterConfig):
     lsa_head_dim: int = 64
     lsa_mlp: int = 384
     tli_layers: int = 0  # N: how many of the target's last layers run on the drafter's prediction
+    memory_source: str = "lsa"  # "lsa": LSA over every layer's K/V; "last-layer": the target's final states (ablation)
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "MoAConfig":
@@ -66,6 +70,8 @@ class MoAConfig(DrafterConfig):
         super().check_target(cfg)
         if not 0 <= self.tli_layers < cfg.num_layers:
             raise ValueError(f"tli_layers must be in 0..{cfg.num_layers - 1}, got {self.tli_layers}")
+        if self.memory_source not in MEMORY_SOURCES:
+            raise ValueError(f"memory_source must be one of {', '.join(MEMORY_SOURCES)}, got {self.memory_source!r}")
 
 
 @dataclass
@@ -86,9 +92,11 @@ class MoADrafter(Drafter):
     def __init__(self, cfg: MoAConfig) -> None:
         super().__init__(cfg)
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.lsa_in = Linear(cfg.target_kv_width, cfg.lsa_width, bias=False)
-        self.lsa = DecoderLayer(cfg.lsa_width, cfg.lsa_heads, cfg.lsa_kv_heads, cfg.lsa_head_dim, cfg.lsa_mlp, eps)
-        self.lsa_proj = Linear(cfg.lsa_width, d, bias=False)
+        self.uses_lsa = cfg.memory_source == "lsa"
+        if self.uses_lsa:
+            self.lsa_in = Linear(cfg.target_kv_width, cfg.lsa_width, bias=False)
+            self.lsa = DecoderLayer(cfg.lsa_width, cfg.lsa_heads, cfg.lsa_kv_heads, cfg.lsa_head_dim, cfg.lsa_mlp, eps)
+        self.lsa_proj = Linear(cfg.lsa_width if self.uses_lsa else d, d, bias=False)
         self.memory_norm = RMSNorm(d, eps)
         self.sa = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.sa_mlp, eps)
         self.ca = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ca_mlp, eps, source_dim=d)
@@ -99,12 +107,32 @@ class MoADrafter(Drafter):
 
     # --- pieces shared by training and inference ----------------------------------------
 
-    def memory(self, token_kv: torch.Tensor) -> torch.Tensor:
-        """Layer Self-Attention: ``[B, T, L, kv_width]`` per-layer K/V → ``[B, T, d]`` memory entries."""
-        B, T, L, W = token_kv.shape
-        x = self.lsa_in(token_kv.reshape(B * T, L, W).to(self.weight_dtype))
+    def memory(self, source: torch.Tensor) -> torch.Tensor:
+        """Memory entries ``[B, T, d]`` of verified tokens.
+
+        With LSA (the method), ``source`` is every layer's K/V per token, ``[B, T, L, kv_width]``,
+        attended over the layer axis. The ablation without LSA reads the target's final
+        states ``[B, T, d]`` instead, as EAGLE does.
+        """
+        if not self.uses_lsa:
+            return self.memory_norm(self.lsa_proj(source.to(self.weight_dtype)))
+        B, T, L, W = source.shape
+        x = self.lsa_in(source.reshape(B * T, L, W).to(self.weight_dtype))
         x = self.lsa.self_attention(x, self.layer_cos, self.layer_sin, mask=None)
         return self.memory_norm(self.lsa_proj(x.mean(dim=1))).view(B, T, -1)
+
+    def memory_entries(self, target_cache: KVCache, start: int, end: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Entries ``[end - start, d]`` for verified positions ``start..end-1`` from the target's cache, or from
+        ``hidden``, the target's final states of (at least) the last of them, for the ablation without LSA."""
+        if self.uses_lsa:
+            return self.memory(target_cache.token_kv(start, end))[0]
+        if hidden is None or hidden.shape[0] < end - start:
+            raise ValueError("a MoA drafter without LSA needs the target's final states of the newly verified tokens")
+        return self.memory(hidden[hidden.shape[0] - (end - start) :][None])[0]
+
+    def memory_source_of(self, token_kv: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+        """What :meth:`memory` reads in training, from the target's features."""
+        return token_kv if self.uses_lsa else final
 
     def predict(self, s: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mem_k: torch.Tensor,
                 mem_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -122,7 +150,7 @@ class MoADrafter(Drafter):
 
     # --- training -----------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, token_kv: torch.Tensor, sa_mask: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, memory_source: torch.Tensor, sa_mask: torch.Tensor,
                 ca_mask: torch.Tensor) -> torch.Tensor:
         """Teacher-forced pass over whole sequences: predicted states ``[B, S, d]`` for every position.
 
@@ -133,7 +161,7 @@ class MoADrafter(Drafter):
         S = tokens.shape[1]
         cos, sin = self.rope(torch.arange(S, device=tokens.device))
         s = self.sa.self_attention(self.target.embed(tokens).to(cos.dtype), cos, sin, sa_mask)
-        mem_k, mem_v = self.ca.attn.keys_values(self.memory(token_kv), cos, sin)
+        mem_k, mem_v = self.ca.attn.keys_values(self.memory(memory_source), cos, sin)
         return self.predict(s, cos, sin, mem_k, mem_v, ca_mask)
 
     # --- inference ----------------------------------------------------------------------
@@ -145,11 +173,14 @@ class MoADrafter(Drafter):
         return MoAState(sa=sa, memory=memory)
 
     @torch.inference_mode()
-    def observe(self, state: MoAState, target_cache: KVCache, verified: int) -> None:
-        """Add the tokens verified since the last call (up to position ``verified``) to the memory."""
+    def observe(self, state: MoAState, target_cache: KVCache, verified: int, hidden: torch.Tensor | None = None) -> None:
+        """Add the tokens verified since the last call (up to position ``verified``) to the memory.
+
+        ``hidden``: the target's final states of the newly verified tokens (read only without LSA).
+        """
         start = state.memory.length
         if verified > start:
-            self.remember(state, start, self.memory(target_cache.token_kv(start, verified))[0])
+            self.remember(state, start, self.memory_entries(target_cache, start, verified, hidden))
 
     @torch.inference_mode()
     def remember(self, state: MoAState, start: int, entries: torch.Tensor) -> None:

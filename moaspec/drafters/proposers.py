@@ -199,7 +199,7 @@ class MoAProposer(DrafterProposer):
     def _begin(self, hidden: torch.Tensor | None) -> None:
         assert self.cache is not None
         self.state = self.drafter.new_state(self.cache.capacity)
-        self.drafter.observe(self.state, self.cache, self.cache.length)
+        self.drafter.observe(self.state, self.cache, self.cache.length, hidden)
 
     def _own_length(self) -> int:
         assert self.state is not None
@@ -222,7 +222,7 @@ class MoAProposer(DrafterProposer):
     def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
         assert self.state is not None and self.cache is not None
         self._keep_accepted(self.state.sa, verified, keep_slots)
-        self.drafter.observe(self.state, self.cache, verified)
+        self.drafter.observe(self.state, self.cache, verified, hidden)
 
 
 class EagleProposer(DrafterProposer):

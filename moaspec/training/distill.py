@@ -96,7 +96,8 @@ def drafter_loss(drafter: Drafter, target: Transformer, batch: Batch, masks: Mas
         N = 0
     else:
         assert isinstance(drafter, MoADrafter)
-        pred = (wrapped or drafter)(batch.tokens.to(device), tgt.token_kv, masks.sa.to(device), masks.ca.to(device))
+        pred = (wrapped or drafter)(batch.tokens.to(device), drafter.memory_source_of(tgt.token_kv, tgt.final),
+                                    masks.sa.to(device), masks.ca.to(device))
         N = drafter.cfg.tli_layers
     if N:
         B, S = batch.tokens.shape
