@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
     c.add_argument("--api-key", default=None, help="bearer token (default: $MOASPEC_API_KEY)")
     c.add_argument("--system", default=None, help="system message")
-    c.add_argument("--drafter", default=None, help="MoA (N = 0) or EAGLE drafter (default: the MoA one shipped for the target)")
+    c.add_argument("--drafter", default=None, help="MoA (N = 0), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     c.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
                    help=f"drafts per verification (default {_default_chain()}, as for generate)")
     c.add_argument("--state-format", choices=("fp16", "int8"), default="fp16", help="how the server sends each verified token's state (default fp16)")
@@ -161,15 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export-client", help="write what a client device needs: embeddings, drafter, tokenizer (not the target)")
     e.add_argument("--output", required=True, help="directory for the bundle (written atomically)")
-    e.add_argument("--drafter", default=None, help="MoA drafter (default: the one shipped for the target)")
+    e.add_argument("--drafter", default=None, help="MoA (N = 0), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     _add_model_options(e)
 
     bc = sub.add_parser("bench-cs", help="client–server decoding under emulated 4G/5G/LAN links, and after a disconnection")
     bc.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     bc.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     bc.add_argument("--profiles", default="lan,4g,5g", help="comma list from lan, 4g, 5g, none (default lan,4g,5g)")
-    bc.add_argument("--methods", default="moa,api", help="comma list from moa, eagle2, api")
+    bc.add_argument("--methods", default="moa,api", help="comma list from moa, eagle2, independent, api")
     bc.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (`moaspec train --kind eagle`)")
+    bc.add_argument("--independent-drafter", default=None,
+                    help="independent drafter for independent (`moaspec train --kind independent`)")
     bc.add_argument("--output", required=True, help="directory for summary.json")
     bc.add_argument("--max-new-tokens", type=int, default=128)
     bc.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
@@ -516,6 +518,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     from moaspec.clientserver.netem import PROFILES
     from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.eagle import EagleDrafter
+    from moaspec.drafters.independent import IndependentDrafter
     from moaspec.drafters.moa import MoADrafter
     from moaspec.specbench import load_questions
 
@@ -534,12 +537,16 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     drafters = {"moa": load_drafter(path, loaded)}
     if not isinstance(drafters["moa"], MoADrafter):
         raise MoaspecError(f"{path} is not a MoA drafter")
-    if "eagle2" in methods:
-        if args.eagle_drafter is None:
-            raise MoaspecError("eagle2 needs --eagle-drafter (train one with `moaspec train --kind eagle`)")
-        drafters["eagle2"] = load_drafter(args.eagle_drafter, loaded)
-        if not isinstance(drafters["eagle2"], EagleDrafter):
-            raise MoaspecError(f"{args.eagle_drafter} is not an EAGLE drafter")
+    for method, option, kind in (("eagle2", "eagle_drafter", EagleDrafter), ("independent", "independent_drafter", IndependentDrafter)):
+        if method not in methods:
+            continue
+        where = getattr(args, option)
+        if where is None:
+            raise MoaspecError(f"{method} needs --{option.replace('_', '-')} "
+                               f"(train one with `moaspec train --kind {kind.__name__.removesuffix('Drafter').lower()}`)")
+        drafters[method] = load_drafter(where, loaded)
+        if not isinstance(drafters[method], kind):
+            raise MoaspecError(f"{where} is not a drafter of the kind {method} needs ({kind.__name__})")
     summary = run_bench_cs(loaded, drafters, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
                            Path(args.output), chain=args.chain, fmt=args.state_format,
                            disconnect_after=args.disconnect_after, continue_tokens=args.continue_tokens, port=args.port,

@@ -252,13 +252,26 @@ def eagle(tiny_llama):  # type: ignore[no-untyped-def]
     return d.eval()
 
 
+@pytest.fixture(scope="module")
+def independent(tiny_llama):  # type: ignore[no-untyped-def]
+    from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
+
+    d = IndependentDrafter(IndependentConfig.for_target(tiny_llama.cfg, layers=1))
+    d.copy_target_layers(tiny_llama.model)
+    d.attach(tiny_llama.model)
+    return d.eval()
+
+
 @pytest.mark.parametrize("pipeline", [True, False])
-def test_eagle_client_is_lossless_and_resyncs_after_a_cut(tiny_llama, eagle, drafter, pipeline) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", ["eagle", "independent"])
+def test_feature_and_independent_clients_are_lossless_and_resync_after_a_cut(tiny_llama, eagle, independent, drafter, kind,
+                                                                              pipeline) -> None:  # type: ignore[no-untyped-def]
+    mine = eagle if kind == "eagle" else independent
     with running(make_app(tiny_llama, drafter)) as url:
-        assert split(tiny_llama, eagle, url, 30, draft_len=3, pipeline=pipeline).token_ids == vanilla(tiny_llama, 30)
+        assert split(tiny_llama, mine, url, 30, draft_len=3, pipeline=pipeline).token_ids == vanilla(tiny_llama, 30)
         proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
         try:
-            result = split(tiny_llama, eagle, proxy.url, 30, draft_len=3, timeout=2.0, retry_every=2, pipeline=pipeline,
+            result = split(tiny_llama, mine, proxy.url, 30, draft_len=3, timeout=2.0, retry_every=2, pipeline=pipeline,
                            on_piece=cut_after(proxy, 4, restore_after=4))
         finally:
             proxy.stop()
@@ -314,8 +327,13 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     from moaspec.cli import main
     from moaspec.drafters.checkpoint import save_drafter, target_identity
 
+    from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
+
     torch.manual_seed(6)
     path = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path / "moa", target_identity(tiny_llama))
+    small = IndependentDrafter(IndependentConfig.for_target(tiny_llama.cfg, layers=1))
+    small.copy_target_layers(tiny_llama.model)
+    independent = save_drafter(small, tmp_path / "independent", target_identity(tiny_llama))
     (tmp_path / "q.jsonl").write_text(jsonlib.dumps({"question_id": 1, "turns": ["The quick brown fox"]}) + "\n")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -324,10 +342,11 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     args = ["bench-cs", "--questions", str(tmp_path / "q.jsonl"), "--model", str(tiny_dirs["llama"]), "--drafter", str(path),
             "--profiles", "lan,5g", "--max-new-tokens", "8", "--disconnect-after", "3", "--continue-tokens", "4",
             "--port", str(port), "--output", str(tmp_path / "out"), "--no-progress"]
-    assert main(args) == 0
+    assert main([*args, "--methods", "moa,independent,api", "--independent-drafter", str(independent)]) == 0
     summary = jsonlib.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["disconnect"]["independent"]["chain"]["perplexity"] > 1
     for profile in ("lan", "5g"):
-        for method in ("moa", "api"):
+        for method in ("moa", "independent", "api"):
             row = summary["profiles"][profile][method]
             assert row["new_tokens"] > 0 and row["tokens_per_s"] > 0 and row["bytes_per_token"] > 0
             assert row["server_calls_per_100_tokens"] > 0 and row["ttft_s"] > 0
@@ -335,4 +354,6 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     assert d["perplexity"] > 1 and d["per_question"][0]["verified_before_cut"] >= 3
     assert main([*args[:-3], "--methods", "moa,eagle2", "--output", str(tmp_path / "o2")]) == 2
     assert "--eagle-drafter" in capsys.readouterr().err
+    assert main([*args[:-3], "--methods", "independent", "--independent-drafter", str(path), "--output", str(tmp_path / "o4")]) == 2
+    assert "not a drafter of the kind independent needs" in capsys.readouterr().err
     assert main([*args[:-3], "--profiles", "3g", "--output", str(tmp_path / "o3")]) == 2

@@ -8,6 +8,7 @@ is pinned to one and the client to another, so that they never share a CPU.
 Methods:
   ``moa``     the MoA drafter on the client, the target on the server (``/cs/v1``), greedy
   ``eagle2``  an EAGLE drafter on the client, fed the target's hidden states by the server
+  ``independent``  an independent small model on the client (classic speculative decoding): no state travels
   ``api``     the server decodes alone and streams tokens (``/v1/chat/completions``)
 Drafting is in chains on both drafter methods (trees do not cross the network yet).
 
@@ -46,7 +47,7 @@ from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.specbench import Question
 
-METHODS = ("moa", "eagle2", "api")
+METHODS = ("moa", "eagle2", "independent", "api")
 
 
 class ServerProcess:
@@ -158,11 +159,10 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
                  methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, fmt: str = "fp16",
                  disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
                  model_spec: str | None = None, drafter_path: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """``drafters`` maps each drafter method (moa, eagle2) to its drafter; the others are server-side."""
+    """``drafters`` maps each drafter method (moa, eagle2, independent) to its drafter; api is server-side."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise MoaspecError(f"unknown method(s) {', '.join(unknown)} for bench-cs; available: {', '.join(METHODS)} "
-                           "(an independent-drafter client is not implemented yet)")
+        raise MoaspecError(f"unknown method(s) {', '.join(unknown)} for bench-cs; available: {', '.join(METHODS)}")
     drafters = {m: d for m, d in drafters.items() if m in methods}
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
@@ -217,10 +217,10 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = ["profile  method  tokens/s  ttft_s  server calls/100 tok  bytes/token  tau"]
+    lines = ["profile  method       tokens/s  ttft_s  server calls/100 tok  bytes/token  tau"]
     for name, methods in summary["profiles"].items():
         for m, s in methods.items():
-            lines.append(f"{name:<8} {m:<7} {s['tokens_per_s']:>8.2f}  {s['ttft_s']:>6.3f}  {s['server_calls_per_100_tokens']:>20.1f}"
+            lines.append(f"{name:<8} {m:<12} {s['tokens_per_s']:>8.2f}  {s['ttft_s']:>6.3f}  {s['server_calls_per_100_tokens']:>20.1f}"
                          f"  {s['bytes_per_token']:>11.1f}  {s.get('tau', float('nan')):.2f}")
     for m in METHODS:
         for n, d in summary.get("disconnect", {}).get(m, {}).items():

@@ -5,7 +5,8 @@ draft vocabulary, its ``lm_head``; it never runs a target layer. The bundle hold
 embedding table (and ``lm_head`` only when the target does not tie it to the
 embeddings), the drafter checkpoint, the tokenizer with its chat template, and the
 target's config and weight fingerprint — for SmolLM2-135M about 75 MB in fp16,
-instead of the whole target. ``moaspec export-client`` writes one atomically;
+instead of the whole target. EAGLE and independent drafters need the same two ends and
+travel the same way. ``moaspec export-client`` writes one atomically;
 ``moaspec client --bundle DIR`` runs from it.
 """
 
@@ -43,8 +44,9 @@ class ClientTarget(TokenEnds):
 def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path:
     """Write the client bundle for ``target`` and the drafter at ``drafter_path`` to ``output``."""
     meta = read_meta(drafter_path)
-    if meta.get("kind") != "moa" or meta.get("config", {}).get("tli_layers", 0):
-        raise MoaspecError("a client bundle holds a MoA drafter without Target Layer Inference (N = 0)")
+    if meta.get("kind") not in ("moa", "eagle", "independent") or meta.get("config", {}).get("tli_layers", 0):
+        raise MoaspecError("a client bundle holds a drafter that runs no target layer: MoA without Target Layer "
+                           "Inference (N = 0), EAGLE, or an independent drafter")
     if meta.get("target", {}).get("fingerprint") != target.fingerprint:
         raise MoaspecError(f"{drafter_path} was trained for another target")
     model = target.model

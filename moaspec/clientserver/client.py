@@ -31,8 +31,9 @@ from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.eagle import EagleDrafter
+from moaspec.drafters.independent import IndependentDrafter
 from moaspec.drafters.moa import MoADrafter
-from moaspec.drafters.proposers import EagleProposer, MoAProposer
+from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer
 from moaspec.errors import MoaspecError
 
 GREEDY = SamplingParams()
@@ -174,7 +175,16 @@ class SplitEagleProposer(EagleProposer):
         self.own.truncate(min(self.own.length, start + 1))
 
 
-SplitProposer = SplitMoAProposer | SplitEagleProposer
+class SplitIndependentProposer(IndependentProposer):
+    """Classic speculative decoding across the network: the drafter needs nothing from the server but its verdicts."""
+
+    state_kind = "none"
+
+    def receive(self, start: int, entries: torch.Tensor) -> None:
+        raise MoaspecError("an independent drafter takes no state from the server")
+
+
+SplitProposer = SplitMoAProposer | SplitEagleProposer | SplitIndependentProposer
 
 
 def split_proposer(drafter: Drafter) -> SplitProposer:
@@ -185,6 +195,8 @@ def split_proposer(drafter: Drafter) -> SplitProposer:
         return SplitMoAProposer(drafter)
     if isinstance(drafter, EagleDrafter):
         return SplitEagleProposer(drafter)
+    if isinstance(drafter, IndependentDrafter):
+        return SplitIndependentProposer(drafter)
     raise MoaspecError(f"no client–server proposer for {type(drafter).__name__}")
 
 
@@ -244,6 +256,8 @@ class SplitGeneration:
             self.on_event(text)
 
     def _take_state(self, answer: dict[str, Any], start: int) -> None:
+        if self.proposer.state_kind == "none":
+            return
         state = answer.get("state")
         if state is None:
             raise MoaspecError(f"the server sent no {self.proposer.state_kind} state for this session")
