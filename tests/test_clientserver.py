@@ -357,3 +357,16 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     assert main([*args[:-3], "--methods", "independent", "--independent-drafter", str(path), "--output", str(tmp_path / "o4")]) == 2
     assert "not a drafter of the kind independent needs" in capsys.readouterr().err
     assert main([*args[:-3], "--profiles", "3g", "--output", str(tmp_path / "o3")]) == 2
+
+
+def test_a_failed_prefill_frees_its_place(tiny_llama, drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    store = SessionStore(tiny_llama, drafter, Limits(max_sessions=1))
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(store, "_state_of", broken)
+        with pytest.raises(RuntimeError):
+            store.open(PROMPT)
+    assert store.open(PROMPT)["session"]  # the one place is free again

@@ -134,12 +134,17 @@ class SessionStore:
             cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
             s = Session(sid, cache, list(prompt), kind, fmt, time.monotonic() + lim.ttl_s)
             self._sessions[sid] = s
-        with s.lock:
-            out = self.target.model(torch.tensor([list(prompt)], device=self.target.model.device), cache,
-                                    logits_at=slice(-1, None))
-            first = int(out.logits[0, -1].argmax())
-            s.tokens.append(first)
-            state = self._state_of(s, 0, len(prompt), out.hidden[0])
+        try:
+            with s.lock:
+                out = self.target.model(torch.tensor([list(prompt)], device=self.target.model.device), cache,
+                                        logits_at=slice(-1, None))
+                first = int(out.logits[0, -1].argmax())
+                s.tokens.append(first)
+                state = self._state_of(s, 0, len(prompt), out.hidden[0])
+        except BaseException:
+            with self._lock:  # a failed prefill must not hold a place until its TTL
+                self._sessions.pop(sid, None)
+            raise
         return {"session": sid, "token": first, "verified": len(s.tokens), "state": state,
                 "capacity": cache.capacity, "expires_in_s": lim.ttl_s}
 

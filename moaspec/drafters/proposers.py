@@ -225,21 +225,10 @@ class MoAProposer(DrafterProposer):
         self.drafter.observe(self.state, self.cache, verified, hidden)
 
 
-class EagleProposer(DrafterProposer):
-    """EAGLE: its cache holds entries made from true features; drafted entries are dropped after verification."""
+class OwnCacheProposer(DrafterProposer):
+    """A drafter with one KV cache of its own, indexed by token position and tree slot (EAGLE, independent)."""
 
-    def __init__(self, drafter: EagleDrafter) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.own: KVCache | None = None
-        self.features: torch.Tensor | None = None  # the target's final hidden state per verified position
-
-    def _begin(self, hidden: torch.Tensor | None) -> None:
-        assert self.cache is not None and hidden is not None, "EAGLE needs the target's hidden states"
-        self.own = self.drafter.new_cache(self.cache.capacity)
-        self.features = torch.zeros(self.cache.capacity, self.drafter.cfg.hidden_size, device=self.device,
-                                    dtype=self.drafter.weight_dtype)
-        self.features[: hidden.shape[0]] = hidden
+    own: KVCache | None = None
 
     def _own_length(self) -> int:
         assert self.own is not None
@@ -248,6 +237,22 @@ class EagleProposer(DrafterProposer):
     def _room(self) -> int:
         assert self.own is not None
         return self.own.capacity
+
+
+class EagleProposer(OwnCacheProposer):
+    """EAGLE: its cache holds entries made from true features; drafted entries are dropped after verification."""
+
+    def __init__(self, drafter: EagleDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.features: torch.Tensor | None = None  # the target's final hidden state per verified position
+
+    def _begin(self, hidden: torch.Tensor | None) -> None:
+        assert self.cache is not None and hidden is not None, "EAGLE needs the target's hidden states"
+        self.own = self.drafter.new_cache(self.cache.capacity)
+        self.features = torch.zeros(self.cache.capacity, self.drafter.cfg.hidden_size, device=self.device,
+                                    dtype=self.drafter.weight_dtype)
+        self.features[: hidden.shape[0]] = hidden
 
     def _feed(self, tokens, positions, mask, parent_features, outputs):  # type: ignore[no-untyped-def]
         assert self.own is not None
@@ -271,25 +276,16 @@ class EagleProposer(DrafterProposer):
         self.own.truncate(min(self.own.length, root + 1))  # drafted entries were made from predicted features
 
 
-class IndependentProposer(DrafterProposer):
+class IndependentProposer(OwnCacheProposer):
     """Classic speculative decoding: the drafter's own cache holds every token; drafted entries are rolled back."""
 
     def __init__(self, drafter: IndependentDrafter) -> None:
         super().__init__()
         self.drafter = drafter
-        self.own: KVCache | None = None
 
     def _begin(self, hidden: torch.Tensor | None) -> None:
         assert self.cache is not None
         self.own = self.drafter.new_cache(self.cache.capacity)
-
-    def _own_length(self) -> int:
-        assert self.own is not None
-        return self.own.length
-
-    def _room(self) -> int:
-        assert self.own is not None
-        return self.own.capacity
 
     def _feed(self, tokens, positions, mask, parent_features, outputs):  # type: ignore[no-untyped-def]
         assert self.own is not None
