@@ -17,8 +17,9 @@ from moaspec.decoding.sampling import probabilities
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
-from moaspec.drafters.proposers import EagleProposer, MoAProposer
+from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer
 from moaspec.models.config import ModelConfig
 from moaspec.models.transformer import Transformer
 from test_speculative import chi_square_p
@@ -46,7 +47,11 @@ def small_vocab():  # type: ignore[no-untyped-def]
     drafter.attach(model)
     eagle = EagleDrafter(EagleConfig.for_target(cfg))
     eagle.attach(model)
-    return model, {"moa": lambda: MoAProposer(drafter.eval()), "eagle": lambda: EagleProposer(eagle.eval())}
+    small = IndependentDrafter(IndependentConfig.for_target(cfg, layers=1))  # the target's first block of two
+    small.copy_target_layers(model)
+    small.attach(model)
+    return model, {"moa": lambda: MoAProposer(drafter.eval()), "eagle": lambda: EagleProposer(eagle.eval()),
+                   "independent": lambda: IndependentProposer(small.eval())}
 
 
 def exact_marginals(model: Transformer, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +69,7 @@ def exact_marginals(model: Transformer, params: SamplingParams) -> tuple[torch.T
     return p2, p3
 
 
-@pytest.mark.parametrize("method", ["chain", "tree", "eagle-tree"])
+@pytest.mark.parametrize("method", ["chain", "tree", "eagle-tree", "independent-chain"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)],
                          ids=["plain", "warped"])
 def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, params: SamplingParams) -> None:  # type: ignore[no-untyped-def]
@@ -76,8 +81,8 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
     accepted = 0
     for seed in range(runs):
         cfg = GenerationConfig(max_new_tokens=3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
-        if method == "chain":
-            r = generate_chain(model, tok, proposers["moa"](), PROMPT, cfg, draft_len=3)
+        if method.endswith("chain"):
+            r = generate_chain(model, tok, proposers["moa" if method == "chain" else "independent"](), PROMPT, cfg, draft_len=3)
         else:
             proposer = proposers["eagle" if method == "eagle-tree" else "moa"]()
             r = generate_tree(model, tok, proposer, PROMPT, cfg, TreeShape(depth=2, top_k=4, total=9))
