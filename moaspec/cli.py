@@ -164,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--drafter", default=None, help="MoA (N = 0), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     _add_model_options(e)
 
+    h = sub.add_parser("export-hf", help="write an independent drafter as a standalone transformers model directory")
+    h.add_argument("--drafter", required=True, help="independent drafter (`moaspec train --kind independent`)")
+    h.add_argument("--output", required=True, help="directory for config.json, model.safetensors and the tokenizer")
+    _add_model_options(h)
+
     bc = sub.add_parser("bench-cs", help="client–server decoding under emulated 4G/5G/LAN links, and after a disconnection")
     bc.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     bc.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
@@ -511,6 +516,30 @@ def cmd_export_client(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    """The independent drafter as a plain ``LlamaForCausalLM`` directory, e.g. an ``assistant_model`` elsewhere."""
+    from pathlib import Path
+
+    from moaspec.drafters import load_drafter
+    from moaspec.drafters.independent import IndependentDrafter, to_hf_llama
+    from moaspec.fileio import atomic_write_dir
+
+    loaded = _load(args)
+    drafter = load_drafter(args.drafter, loaded)
+    if not isinstance(drafter, IndependentDrafter):
+        raise MoaspecError(f"{args.drafter} is not an independent drafter: only those are standalone language models")
+    model = to_hf_llama(drafter)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        loaded.tokenizer.save_pretrained(str(tmp))  # type: ignore[attr-defined]
+
+    atomic_write_dir(args.output, write)
+    print(f"transformers model in {args.output} ({drafter.cfg.layers} layers; load it with "
+          "AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def cmd_bench_cs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -567,7 +596,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "client": cmd_client,
-            "export-client": cmd_export_client, "bench": cmd_bench, "bench-cs": cmd_bench_cs}
+            "export-client": cmd_export_client, "export-hf": cmd_export_hf, "bench": cmd_bench, "bench-cs": cmd_bench_cs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,3 +40,25 @@ def test_copying_refuses_another_mlp_width(tiny_llama) -> None:  # type: ignore[
     d = IndependentDrafter(IndependentConfig.for_target(tiny_llama.cfg, layers=1, mlp=32))
     with pytest.raises(ValueError, match="MLP width"):
         d.copy_target_layers(tiny_llama.model)
+
+
+def test_export_hf_writes_a_model_transformers_loads(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+    from moaspec.drafters.moa import MoAConfig, MoADrafter
+
+    d = drafter_for(tiny_llama, 2, down_scale=1.5)
+    path = save_drafter(d, tmp_path / "independent", target_identity(tiny_llama), dtype=torch.float32)
+    model_args = ["--model", str(tiny_dirs["llama"])]
+    assert main(["export-hf", "--drafter", str(path), "--output", str(tmp_path / "hf"), *model_args]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).vocab_size == tiny_llama.tokenizer.vocab_size
+    tokens = torch.tensor([[5, 17, 42, 7]])
+    with torch.inference_mode():
+        torch.testing.assert_close(hf(tokens).logits, d.step(d.new_cache(4), tokens, torch.arange(4), None, 4),
+                                   atol=1e-4, rtol=1e-4)
+    moa = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path / "moa", target_identity(tiny_llama))
+    assert main(["export-hf", "--drafter", str(moa), "--output", str(tmp_path / "x"), *model_args]) == 2
+    assert "not an independent drafter" in capsys.readouterr().err
