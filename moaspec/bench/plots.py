@@ -40,7 +40,7 @@ def _save(fig, ax, ylabel: str, path: Path) -> Path:  # type: ignore[no-untyped-
     import matplotlib.pyplot as plt
 
     ax.set_ylabel(ylabel)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the plot: never over a bar
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
