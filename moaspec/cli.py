@@ -543,9 +543,10 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 def cmd_bench_cs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from moaspec.bench.methods import require_drafter
     from moaspec.clientserver.bench import run_bench_cs, table
     from moaspec.clientserver.netem import PROFILES
-    from moaspec.drafters import load_drafter, shipped_drafter
+    from moaspec.drafters import shipped_drafter
     from moaspec.drafters.eagle import EagleDrafter
     from moaspec.drafters.independent import IndependentDrafter
     from moaspec.drafters.moa import MoADrafter
@@ -563,19 +564,11 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     path = args.drafter or shipped_drafter(loaded)
     if path is None:
         raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
-    drafters = {"moa": load_drafter(path, loaded)}
-    if not isinstance(drafters["moa"], MoADrafter):
-        raise MoaspecError(f"{path} is not a MoA drafter")
-    for method, option, kind in (("eagle2", "eagle_drafter", EagleDrafter), ("independent", "independent_drafter", IndependentDrafter)):
-        if method not in methods:
-            continue
-        where = getattr(args, option)
-        if where is None:
-            raise MoaspecError(f"{method} needs --{option.replace('_', '-')} "
-                               f"(train one with `moaspec train --kind {kind.__name__.removesuffix('Drafter').lower()}`)")
-        drafters[method] = load_drafter(where, loaded)
-        if not isinstance(drafters[method], kind):
-            raise MoaspecError(f"{where} is not a drafter of the kind {method} needs ({kind.__name__})")
+    drafters = {"moa": require_drafter(str(path), MoADrafter, "moa", loaded)}
+    for method, where, kind in (("eagle2", args.eagle_drafter, EagleDrafter),
+                                ("independent", args.independent_drafter, IndependentDrafter)):
+        if method in methods:
+            drafters[method] = require_drafter(where, kind, method, loaded)
     summary = run_bench_cs(loaded, drafters, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
                            Path(args.output), chain=args.chain, fmt=args.state_format,
                            disconnect_after=args.disconnect_after, continue_tokens=args.continue_tokens, port=args.port,

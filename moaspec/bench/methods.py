@@ -76,16 +76,17 @@ def _hf(target: LoadedModel, hf: object, **kwargs: object) -> Method:
     return method
 
 
-_HOW = {
+_WHERE = {
     MoADrafter: "--drafter",
     EagleDrafter: "--eagle-drafter (train one with `moaspec train --kind eagle`)",
     IndependentDrafter: "--independent-drafter (train one with `moaspec train --kind independent`)",
 }
 
 
-def _drafter(path: str | None, kind: type[Drafter], used_by: str, target: LoadedModel) -> Drafter:
+def require_drafter(path: str | None, kind: type[Drafter], used_by: str, target: LoadedModel) -> Drafter:
+    """The drafter at ``path``, which the method(s) ``used_by`` need to be a ``kind``; a clear error otherwise."""
     if path is None:
-        raise MoaspecError(f"{used_by} needs {_HOW[kind]}")
+        raise MoaspecError(f"{used_by} needs {_WHERE[kind]}")
     drafter = load_drafter(path, target)
     if not isinstance(drafter, kind):
         raise MoaspecError(f"{path} is not a drafter of the kind {used_by} needs ({kind.__name__})")
@@ -108,10 +109,10 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
         path = opts.moa_drafter or shipped_drafter(target)
         if path is None:
             raise MoaspecError(f"no MoA drafter for {target.path.name}: pass --drafter")
-        moa = _drafter(str(path), MoADrafter, "moa", target)
+        moa = require_drafter(str(path), MoADrafter, "moa", target)
     independent = None
     if {"independent", "hf-assisted"} & set(names):
-        independent = _drafter(opts.independent_drafter, IndependentDrafter, "independent / hf-assisted", target)
+        independent = require_drafter(opts.independent_drafter, IndependentDrafter, "independent / hf-assisted", target)
     hf = None
     for name in names:
         if name == "vanilla":
@@ -121,7 +122,7 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
         elif name == "moa-chain":
             methods[name] = _ours(target, Strategy(moa, chain=opts.chain))
         elif name == "eagle2":
-            methods[name] = _ours(target, Strategy(_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
+            methods[name] = _ours(target, Strategy(require_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
         elif name == "independent":
             methods[name] = _ours(target, Strategy(independent, chain=opts.chain))
         else:
