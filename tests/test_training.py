@@ -251,3 +251,6 @@ def test_same_data_as_replays_another_runs_batches(tiny_llama, tiny_data: Path, 
     assert torch.equal(a.draft_vocab, b.draft_vocab)
     with pytest.raises(MoaspecError, match="progress.json"):
         Trainer(tiny_llama, tiny_data, tmp_path / "x", small(kind="eagle", same_data_as=str(tmp_path)), progress=False)
+    with pytest.raises(MoaspecError, match="give one of them"):
+        Trainer(tiny_llama, tiny_data, tmp_path / "y", small(same_data_as=str(tmp_path / "moa"),
+                                                             init_from=str(tmp_path / "moa" / "drafter")), progress=False)

@@ -91,6 +91,8 @@ class Trainer:
         from accelerate import Accelerator
 
         self.cfg, self.out, self.progress = cfg, out, progress
+        if cfg.same_data_as and cfg.init_from:
+            raise MoaspecError("--same-data-as and --init-from each decide the draft vocabulary: give one of them")
         on_cpu = target.model.device.type == "cpu"
         self.acc = Accelerator(cpu=on_cpu, gradient_accumulation_steps=cfg.grad_accum,
                                mixed_precision=resolve_precision(cfg.mixed_precision))
