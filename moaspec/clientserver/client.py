@@ -178,10 +178,7 @@ class SplitEagleProposer(EagleProposer):
 class SplitIndependentProposer(IndependentProposer):
     """Classic speculative decoding across the network: the drafter needs nothing from the server but its verdicts."""
 
-    state_kind = "none"
-
-    def receive(self, start: int, entries: torch.Tensor) -> None:
-        raise MoaspecError("an independent drafter takes no state from the server")
+    state_kind = "none"  # SplitGeneration asks for no state and has nothing to hand it
 
 
 SplitProposer = SplitMoAProposer | SplitEagleProposer | SplitIndependentProposer
