@@ -1,23 +1,32 @@
-"""Batched generation (for distillation data) equals one-by-one generation."""
+"""Batched generation (for distillation data) equals one-by-one generation, however rows are batched."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moaspec.decoding import GenerationConfig, generate
-from moaspec.decoding.batched import generate_batch
+from moaspec.decoding.batched import Request, generate_many
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.vanilla import stop_token_ids
 
 
-def test_greedy_batch_equals_single_generation(tiny_llama) -> None:  # type: ignore[no-untyped-def]
-    lm = tiny_llama
+def _prompts(lm, lengths):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, lm.cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 9, 1)]
+    return [torch.randint(3, lm.cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("batch_size,refill_below", [(8, 0.0), (2, 0.5), (3, 1.0)])
+def test_greedy_batch_equals_single_generation(tiny_llama, batch_size, refill_below) -> None:  # type: ignore[no-untyped-def]
+    """Fixed batches, refilled ones, and a batch paused after every finished row all give vanilla greedy."""
+    lm = tiny_llama
+    prompts = _prompts(lm, (5, 17, 9, 1, 12))
+    budgets = (30, 7, 22, 30, 15)
     eos = stop_token_ids(lm.model, lm.tokenizer)
-    batch = generate_batch(lm.model, prompts, 30, SamplingParams(), eos)
-    for p, (toks, stopped) in zip(prompts, batch):
-        single = generate(lm.model, lm.tokenizer, p, GenerationConfig(max_new_tokens=30))
+    requests = [Request(p, n) for p, n in zip(prompts, budgets)]
+    batch = generate_many(lm.model, requests, eos, batch_size=batch_size, refill_below=refill_below)
+    for p, n, (toks, stopped) in zip(prompts, budgets, batch):
+        single = generate(lm.model, lm.tokenizer, p, GenerationConfig(max_new_tokens=n))
         assert toks == single.token_ids
         assert stopped == (single.finish_reason == "eos")
 
@@ -25,10 +34,10 @@ def test_greedy_batch_equals_single_generation(tiny_llama) -> None:  # type: ign
 def test_rows_finish_independently(tiny_llama) -> None:  # type: ignore[no-untyped-def]
     """A stop id that some rows hit early: they leave the batch, the others go on unchanged."""
     lm = tiny_llama
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    free = generate_batch(lm.model, prompts, 12, SamplingParams(), set())
+    requests = [Request(p, 12) for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
+    free = generate_many(lm.model, requests, set())
     stop = free[1][0][2]  # row 1's third token becomes a stop id
-    capped = generate_batch(lm.model, prompts, 12, SamplingParams(), {stop})
+    capped = generate_many(lm.model, requests, {stop})
     for (full, _), (cut, stopped) in zip(free, capped):
         if stop in full:
             assert stopped and cut == full[: full.index(stop)]
@@ -36,9 +45,17 @@ def test_rows_finish_independently(tiny_llama) -> None:  # type: ignore[no-untyp
             assert not stopped and cut == full
 
 
-def test_sampled_batch_is_seeded(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+def test_sampled_batch_is_seeded_and_mixes_with_greedy(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """Sampled rows are reproducible from the seed; greedy rows in the same batch stay greedy."""
     lm = tiny_llama
-    params = SamplingParams(temperature=1.0, top_p=0.9)
-    a = generate_batch(lm.model, [[5, 6], [7]], 15, params, set(), torch.Generator().manual_seed(1))
-    b = generate_batch(lm.model, [[5, 6], [7]], 15, params, set(), torch.Generator().manual_seed(1))
+    hot = SamplingParams(temperature=1.0, top_p=0.9)
+    requests = [Request([5, 6], 15, hot), Request([7], 15), Request([9, 4, 2], 15, hot)]
+    a = generate_many(lm.model, requests, set(), torch.Generator().manual_seed(1), batch_size=2)
+    b = generate_many(lm.model, requests, set(), torch.Generator().manual_seed(1), batch_size=2)
     assert a == b and all(len(t) == 15 for t, _ in a)
+    assert a[1][0] == generate(lm.model, lm.tokenizer, [7], GenerationConfig(max_new_tokens=15)).token_ids
+
+
+def test_empty_prompt_is_refused(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        generate_many(tiny_llama.model, [Request([], 4)], set())

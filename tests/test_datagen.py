@@ -59,6 +59,6 @@ def test_same_seed_same_data(tiny_llama, tmp_path: Path, permissive) -> None:  #
 
 def test_other_settings_are_refused(tiny_llama, tmp_path: Path, permissive) -> None:  # type: ignore[no-untyped-def]
     generate_dataset(tiny_llama, tmp_path, CFG, progress=False)
-    with pytest.raises(MoaspecError, match="other settings or another model"):
+    with pytest.raises(MoaspecError, match="other settings, another model"):
         generate_dataset(tiny_llama, tmp_path, DataConfig(**{**CFG.__dict__, "seed": 1}), progress=False)
     assert json.loads((tmp_path / "manifest.json").read_text())["identity"]["config"]["seed"] == 0

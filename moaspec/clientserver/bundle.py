@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from moaspec.drafters.checkpoint import read_meta
+from moaspec.drafters.checkpoint import KINDS, read_meta
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.config import ModelConfig
@@ -44,7 +44,7 @@ class ClientTarget(TokenEnds):
 def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path:
     """Write the client bundle for ``target`` and the drafter at ``drafter_path`` to ``output``."""
     meta = read_meta(drafter_path)
-    if meta.get("kind") not in ("moa", "eagle", "independent") or meta.get("config", {}).get("tli_layers", 0):
+    if meta.get("kind") not in KINDS or meta.get("config", {}).get("tli_layers", 0):
         raise MoaspecError("a client bundle holds a drafter that runs no target layer: MoA without Target Layer "
                            "Inference (N = 0), EAGLE, or an independent drafter")
     if meta.get("target", {}).get("fingerprint") != target.fingerprint:

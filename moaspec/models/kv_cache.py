@@ -81,6 +81,18 @@ class KVCache:
         self.keys = self.keys.index_select(1, rows)
         self.values = self.values.index_select(1, rows)
 
+    def row_view(self, row: int, offset: int) -> "KVCache":
+        """Row ``row`` from position ``offset`` on, as an empty batch-1 cache sharing this one's memory.
+
+        Batched generation prefills each prompt alone through such a view, right-aligned
+        in its row, so no row pays for another's padding.
+        """
+        view = KVCache.__new__(KVCache)
+        view.keys = self.keys[:, row : row + 1, :, offset:]
+        view.values = self.values[:, row : row + 1, :, offset:]
+        view.length = 0
+        return view
+
     def token_kv(self, start: int, end: int) -> torch.Tensor:
         """Per-token view of every layer's K and V: ``[batch, end-start, layers, 2*kv_heads*head_dim]``.
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from moaspec.chat import encode_chat
-from moaspec.decoding.batched import generate_batch
+from moaspec.decoding.batched import Request, generate_many
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.errors import MoaspecError
@@ -42,6 +42,10 @@ TASKS: dict[str, str] = {
     "advice": "You are an AI assistant that gives practical advice, explanations and step-by-step instructions.",
 }
 PLACEHOLDER = "\u2063QUERY\u2063"
+# The batching scheme changes which random numbers each row draws, hence the data; a
+# directory is only extended by the scheme that began it (1: fixed batches per sampling
+# rule; 2: mixed rules per batch, refill by recompute).
+GENERATOR = 2
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,8 @@ class DataWriter:
             manifest = json.loads(self.manifest_path.read_text())
             if manifest["identity"] != identity:
                 raise MoaspecError(
-                    f"{out} holds data made with other settings or another model; choose a new --output directory"
+                    f"{out} holds data made with other settings, another model or an older moaspec; "
+                    "choose a new --output directory"
                 )
             self.manifest = manifest
         else:
@@ -120,16 +125,11 @@ def read_shard(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def _batched(model: LoadedModel, prompts: list[list[int]], max_new: int, params: SamplingParams,
-             batch_size: int, gen: torch.Generator) -> list[tuple[list[int], bool]]:
+def _generate(model: LoadedModel, prompts: list[list[int]], max_new: int, params: list[SamplingParams],
+              batch_size: int, gen: torch.Generator) -> list[tuple[list[int], bool]]:
     stop = stop_token_ids(model.model, model.tokenizer)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch: less padding
-    out: list[tuple[list[int], bool]] = [([], False)] * len(prompts)
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        for i, res in zip(idx, generate_batch(model.model, [prompts[i] for i in idx], max_new, params, stop, gen)):
-            out[i] = res
-    return out
+    requests = [Request(p, max_new, sp) for p, sp in zip(prompts, params)]
+    return generate_many(model.model, requests, stop, gen, batch_size=batch_size)
 
 
 def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) -> list[dict[str, Any]]:
@@ -140,11 +140,12 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     tasks = list(TASKS)
     picks = torch.randint(0, len(tasks), (cfg.shard_size,), generator=rng).tolist()
     query_params = SamplingParams(temperature=cfg.query_temperature)
+    answer_params = SamplingParams(temperature=cfg.answer_temperature)
 
     # 1. user prompts, steered per task
     prefixes = [tok(pre_query_prefix(tok, [{"role": "system", "content": TASKS[tasks[t]]}]),
                     add_special_tokens=False)["input_ids"] for t in picks]
-    queries = _batched(model, prefixes, cfg.max_query_tokens, query_params, cfg.batch_size, gen)
+    queries = _generate(model, prefixes, cfg.max_query_tokens, [query_params] * len(prefixes), cfg.batch_size, gen)
     convs: list[dict[str, Any]] = []
     for t, (ids, finished) in zip(picks, queries):
         q = tok.decode(ids, skip_special_tokens=True).strip()
@@ -160,25 +161,24 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     active = list(range(len(convs)))
     for turn in range(2):
         prompts = [encode_chat(tok, convs[i]["messages"]) for i in active]
-        for mode in (True, False):
-            sel = [k for k, i in enumerate(active) if bool(greedy[i]) == mode]
-            params = SamplingParams() if mode else SamplingParams(temperature=cfg.answer_temperature)
-            answers = _batched(model, [prompts[k] for k in sel], cfg.max_answer_tokens, params, cfg.batch_size, gen)
-            for k, (ids, finished) in zip(sel, answers):
-                c = convs[active[k]]
-                records.append({
-                    "id": f"{shard}-{active[k]}-{turn}", "task": c["task"], "turn": turn,
-                    "query": c["messages"][-1]["content"], "sampling": "greedy" if mode else f"t{cfg.answer_temperature}",
-                    "prompt_ids": prompts[k], "answer_ids": ids, "finished": finished,
-                })
-                c["messages"].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+        params = [SamplingParams() if greedy[i] else answer_params for i in active]
+        answers = _generate(model, prompts, cfg.max_answer_tokens, params, cfg.batch_size, gen)
+        for k, (ids, finished) in enumerate(answers):
+            c = convs[active[k]]
+            records.append({
+                "id": f"{shard}-{active[k]}-{turn}", "task": c["task"], "turn": turn,
+                "query": c["messages"][-1]["content"],
+                "sampling": "greedy" if greedy[active[k]] else f"t{cfg.answer_temperature}",
+                "prompt_ids": prompts[k], "answer_ids": ids, "finished": finished,
+            })
+            c["messages"].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
         if turn == 1:
             break
         active = [i for i in active if bool(follow[i])]
         if not active:
             break
         prefixes = [tok(pre_query_prefix(tok, convs[i]["messages"]), add_special_tokens=False)["input_ids"] for i in active]
-        followups = _batched(model, prefixes, cfg.max_query_tokens, query_params, cfg.batch_size, gen)
+        followups = _generate(model, prefixes, cfg.max_query_tokens, [query_params] * len(prefixes), cfg.batch_size, gen)
         kept = []
         for i, (ids, finished) in zip(active, followups):
             q = tok.decode(ids, skip_special_tokens=True).strip()
@@ -195,7 +195,8 @@ def generate_dataset(model: LoadedModel, out: Path, cfg: DataConfig, progress: b
     """Fill ``out`` with shards until ``cfg.examples`` records exist; resume where a previous run stopped."""
     from tqdm import tqdm
 
-    identity = {"model": model.fingerprint, "config": {k: v for k, v in asdict(cfg).items() if k != "examples"}}
+    identity = {"model": model.fingerprint, "config": {k: v for k, v in asdict(cfg).items() if k != "examples"},
+                "generator": GENERATOR}
     writer = DataWriter(out, identity)
     bar = tqdm(total=cfg.examples, initial=min(writer.records, cfg.examples), unit="turn", disable=not progress,
                desc="moaspec data")
