@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--examples", type=int, default=2000, help="stop at this many assistant turns")
     d.add_argument("--shard-size", type=int, default=64, help="conversations started per shard")
     d.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
-    d.add_argument("--max-query-tokens", type=int, default=96)
+    d.add_argument("--max-query-tokens", type=int, default=96, help="budget of a written user prompt")
+    d.add_argument("--max-pasted-query-tokens", type=int, default=512,
+                   help="budget of a user prompt that pastes a text (summarisation, questions about a passage)")
     d.add_argument("--max-answer-tokens", type=int, default=384)
     d.add_argument("--multi-turn", type=float, default=0.2, help="fraction of conversations with a second user turn")
     d.add_argument("--greedy-fraction", type=float, default=0.5, help="fraction of answers decoded greedily (rest sampled)")
@@ -90,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--warmup", type=int, default=50, help="linear warm-up updates, then cosine decay")
-    t.add_argument("--max-len", type=int, default=768, help="truncate sequences to this many tokens")
+    t.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
     t.add_argument("--draft-vocab", type=int, default=8192, help="draft logits over the K most frequent target outputs (0 = whole vocabulary)")
     t.add_argument("--tli-layers", type=int, default=0, help="Target Layer Inference: reuse the target's last N layers")
     t.add_argument("--segment-min", type=int, default=5, help="shortest T-step-bounded training segment")
@@ -290,7 +292,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     from moaspec.training.datagen import DataConfig, generate_dataset
 
-    for name in ("examples", "shard_size", "batch_size", "max_query_tokens", "max_answer_tokens"):
+    for name in ("examples", "shard_size", "batch_size", "max_query_tokens", "max_pasted_query_tokens",
+                 "max_answer_tokens"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("multi_turn", "greedy_fraction"):
@@ -298,7 +301,8 @@ def cmd_data(args: argparse.Namespace) -> int:
             raise MoaspecError(f"--{name.replace('_', '-')} must be between 0 and 1")
     cfg = DataConfig(
         examples=args.examples, shard_size=args.shard_size, batch_size=args.batch_size,
-        max_query_tokens=args.max_query_tokens, max_answer_tokens=args.max_answer_tokens,
+        max_query_tokens=args.max_query_tokens, max_pasted_query_tokens=args.max_pasted_query_tokens,
+        max_answer_tokens=args.max_answer_tokens,
         multi_turn=args.multi_turn, greedy_fraction=args.greedy_fraction, seed=args.seed,
     )
     loaded = _load(args)

@@ -10,7 +10,8 @@ import pytest
 from moaspec.errors import MoaspecError
 from moaspec.training.datagen import DataConfig, generate_dataset, pre_query_prefix, read_shard, usable_query
 
-CFG = DataConfig(examples=6, shard_size=8, batch_size=4, max_query_tokens=12, max_answer_tokens=10, multi_turn=0.5)
+CFG = DataConfig(examples=6, shard_size=8, batch_size=4, max_query_tokens=12, max_pasted_query_tokens=20,
+                 max_answer_tokens=10, multi_turn=0.5)
 
 
 @pytest.fixture()
@@ -49,6 +50,25 @@ def test_dataset_shards_manifest_and_resume(tiny_llama, tmp_path: Path, permissi
     manifest2 = generate_dataset(tiny_llama, out, bigger, progress=False)
     assert len(manifest2["shards"]) > len(shards)
     assert (out / shards[0]["file"]).read_text() == first
+
+
+def test_pasted_text_tasks_get_the_long_query_budget(tiny_llama, permissive, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Summarisation and passage questions may write prompts past the short budget; the rest may not."""
+    from moaspec.training import datagen
+
+    seen: list[tuple[int, str]] = []  # (query budget, rendered prefix) of each user-prompt request
+    real = datagen.generate_many
+
+    def spy(model, requests, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not seen:
+            seen.extend((r.max_new_tokens, tiny_llama.tokenizer.decode(list(r.prompt))) for r in requests)
+        return real(model, requests, *args, **kwargs)
+
+    monkeypatch.setattr(datagen, "generate_many", spy)
+    datagen.make_shard(tiny_llama, DataConfig(**{**CFG.__dict__, "shard_size": 40}), 0, set())
+    pasted = [datagen.TASKS[t] for t in datagen.PASTED_TEXT]
+    assert {n for n, _ in seen} == {CFG.max_query_tokens, CFG.max_pasted_query_tokens}
+    assert all((n == CFG.max_pasted_query_tokens) == any(m in text for m in pasted) for n, text in seen)
 
 
 def test_same_seed_same_data(tiny_llama, tmp_path: Path, permissive) -> None:  # type: ignore[no-untyped-def]

@@ -37,10 +37,14 @@ TASKS: dict[str, str] = {
     "code": "You are an AI assistant for programmers. Users ask you to write, explain or fix code, mostly in Python.",
     "math": "You are an AI assistant for math. Users ask arithmetic questions and word problems to solve step by step.",
     "summarisation": "You are an AI assistant that summarises text. Users paste a news story or a paragraph and ask for a short summary.",
+    "passage_qa": "You are an AI assistant for reading comprehension. Users paste a passage from an article, a report or a manual and ask questions about it.",
     "open_qa": "You are an AI assistant that answers factual questions about history, science, geography and daily life.",
     "writing": "You are an AI assistant for writing. Users ask for stories, poems, emails, essays and blog posts.",
     "advice": "You are an AI assistant that gives practical advice, explanations and step-by-step instructions.",
 }
+# Families whose users paste a text: their prompts get the longer query budget, so the data
+# holds long contexts (summaries and questions about a document) and not only short chats.
+PASTED_TEXT = ("summarisation", "passage_qa")
 PLACEHOLDER = "\u2063QUERY\u2063"
 # The batching scheme changes which random numbers each row draws, hence the data; a
 # directory is only extended by the scheme that began it (1: fixed batches per sampling
@@ -54,6 +58,7 @@ class DataConfig:
     shard_size: int = 64  # conversations started per shard
     batch_size: int = 32
     max_query_tokens: int = 96
+    max_pasted_query_tokens: int = 512  # for the task families in PASTED_TEXT
     max_answer_tokens: int = 384
     multi_turn: float = 0.2  # fraction of conversations that get a second user turn
     greedy_fraction: float = 0.5  # answers decoded greedily; the rest are sampled
@@ -75,7 +80,7 @@ def normalise(query: str) -> str:
 def usable_query(query: str) -> bool:
     """Reject fragments, template debris and prompts that are mostly not words."""
     words = query.split()
-    return 3 <= len(words) <= 300 and "<|" not in query and sum(c.isalpha() for c in query) > 0.5 * len(query.replace(" ", ""))
+    return 3 <= len(words) <= 600 and "<|" not in query and sum(c.isalpha() for c in query) > 0.5 * len(query.replace(" ", ""))
 
 
 class DataWriter:
@@ -125,16 +130,10 @@ def read_shard(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def _generate(model: LoadedModel, prompts: list[list[int]], max_new: int, params: list[SamplingParams],
-              batch_size: int, gen: torch.Generator) -> list[tuple[list[int], bool]]:
-    stop = stop_token_ids(model.model, model.tokenizer)
-    requests = [Request(p, max_new, sp) for p, sp in zip(prompts, params)]
-    return generate_many(model.model, requests, stop, gen, batch_size=batch_size)
-
-
 def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) -> list[dict[str, Any]]:
     """Generate one shard's conversations; deterministic given (seed, shard)."""
     tok = model.tokenizer
+    stop = stop_token_ids(model.model, tok)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + shard)
     rng = torch.Generator().manual_seed(cfg.seed * 7_919 + shard)
     tasks = list(TASKS)
@@ -145,7 +144,9 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     # 1. user prompts, steered per task
     prefixes = [tok(pre_query_prefix(tok, [{"role": "system", "content": TASKS[tasks[t]]}]),
                     add_special_tokens=False)["input_ids"] for t in picks]
-    queries = _generate(model, prefixes, cfg.max_query_tokens, [query_params] * len(prefixes), cfg.batch_size, gen)
+    budgets = [cfg.max_pasted_query_tokens if tasks[t] in PASTED_TEXT else cfg.max_query_tokens for t in picks]
+    queries = generate_many(model.model, [Request(p, n, query_params) for p, n in zip(prefixes, budgets)], stop, gen,
+                            batch_size=cfg.batch_size)
     convs: list[dict[str, Any]] = []
     for t, (ids, finished) in zip(picks, queries):
         q = tok.decode(ids, skip_special_tokens=True).strip()
@@ -161,8 +162,9 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     active = list(range(len(convs)))
     for turn in range(2):
         prompts = [encode_chat(tok, convs[i]["messages"]) for i in active]
-        params = [SamplingParams() if greedy[i] else answer_params for i in active]
-        answers = _generate(model, prompts, cfg.max_answer_tokens, params, cfg.batch_size, gen)
+        requests = [Request(p, cfg.max_answer_tokens, SamplingParams() if greedy[i] else answer_params)
+                    for p, i in zip(prompts, active)]
+        answers = generate_many(model.model, requests, stop, gen, batch_size=cfg.batch_size)
         for k, (ids, finished) in enumerate(answers):
             c = convs[active[k]]
             records.append({
@@ -178,7 +180,8 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
         if not active:
             break
         prefixes = [tok(pre_query_prefix(tok, convs[i]["messages"]), add_special_tokens=False)["input_ids"] for i in active]
-        followups = _generate(model, prefixes, cfg.max_query_tokens, [query_params] * len(prefixes), cfg.batch_size, gen)
+        followups = generate_many(model.model, [Request(p, cfg.max_query_tokens, query_params) for p in prefixes], stop,
+                                  gen, batch_size=cfg.batch_size)
         kept = []
         for i, (ids, finished) in zip(active, followups):
             q = tok.decode(ids, skip_special_tokens=True).strip()

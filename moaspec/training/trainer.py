@@ -51,7 +51,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decay ends at lr · this
     weight_decay: float = 0.0
     clip: float = 1.0
-    max_len: int = 768
+    max_len: int = 1024
     segment_min: int = 5
     segment_max: int = 15
     staircase: bool = True
