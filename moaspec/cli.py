@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--shard-size", type=int, default=64, help="conversations started per shard")
     d.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
     d.add_argument("--max-query-tokens", type=int, default=96, help="budget of a written user prompt")
-    d.add_argument("--max-pasted-query-tokens", type=int, default=512,
-                   help="budget of a user prompt that pastes a text (summarisation, questions about a passage)")
+    d.add_argument("--max-passage-tokens", type=int, default=512,
+                   help="longest text a summarisation or passage-question prompt pastes")
     d.add_argument("--max-answer-tokens", type=int, default=384)
     d.add_argument("--multi-turn", type=float, default=0.2, help="fraction of conversations with a second user turn")
     d.add_argument("--greedy-fraction", type=float, default=0.5, help="fraction of answers decoded greedily (rest sampled)")
@@ -292,7 +292,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     from moaspec.training.datagen import DataConfig, generate_dataset
 
-    for name in ("examples", "shard_size", "batch_size", "max_query_tokens", "max_pasted_query_tokens",
+    for name in ("examples", "shard_size", "batch_size", "max_query_tokens", "max_passage_tokens",
                  "max_answer_tokens"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
@@ -301,7 +301,7 @@ def cmd_data(args: argparse.Namespace) -> int:
             raise MoaspecError(f"--{name.replace('_', '-')} must be between 0 and 1")
     cfg = DataConfig(
         examples=args.examples, shard_size=args.shard_size, batch_size=args.batch_size,
-        max_query_tokens=args.max_query_tokens, max_pasted_query_tokens=args.max_pasted_query_tokens,
+        max_query_tokens=args.max_query_tokens, max_passage_tokens=args.max_passage_tokens,
         max_answer_tokens=args.max_answer_tokens,
         multi_turn=args.multi_turn, greedy_fraction=args.greedy_fraction, seed=args.seed,
     )

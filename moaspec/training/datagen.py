@@ -4,8 +4,10 @@ No dataset can be downloaded here, and a drafter should learn the target's own
 distribution anyway. So the instruct model writes the user prompts: given its chat
 template up to the start of a user turn (after a system message that steers it to a
 task family), it samples what a user would say. It then answers each prompt with the
-deployment template (no system message), greedily or by sampling. Some conversations
-get a second, model-written user turn and its answer (multi-turn).
+deployment template (no system message), greedily or by sampling. Summarisation and
+questions about a passage paste one of those answers under an instruction, so the set
+holds long contexts too. Some conversations get a second, model-written user turn and
+its answer (multi-turn).
 
 Each record is one assistant turn: ``prompt_ids`` (the conversation as the model saw
 it) and ``answer_ids`` (the target's tokens; the loss applies to these). Shards are
@@ -36,15 +38,29 @@ from moaspec.models.loading import LoadedModel
 TASKS: dict[str, str] = {
     "code": "You are an AI assistant for programmers. Users ask you to write, explain or fix code, mostly in Python.",
     "math": "You are an AI assistant for math. Users ask arithmetic questions and word problems to solve step by step.",
-    "summarisation": "You are an AI assistant that summarises text. Users paste a news story or a paragraph and ask for a short summary.",
-    "passage_qa": "You are an AI assistant for reading comprehension. Users paste a passage from an article, a report or a manual and ask questions about it.",
     "open_qa": "You are an AI assistant that answers factual questions about history, science, geography and daily life.",
     "writing": "You are an AI assistant for writing. Users ask for stories, poems, emails, essays and blog posts.",
     "advice": "You are an AI assistant that gives practical advice, explanations and step-by-step instructions.",
 }
-# Families whose users paste a text: their prompts get the longer query budget, so the data
-# holds long contexts (summaries and questions about a document) and not only short chats.
-PASTED_TEXT = ("summarisation", "passage_qa")
+# Families whose user pastes a text. A small model asked (Magpie-style) to paste an article
+# writes hundreds of tokens of drift and rarely ends it, so the text is instead one or two
+# of the target's own answers from the same shard, under an instruction. This
+# puts long contexts (summaries, questions about a document) in the set.
+MIN_PASSAGE_TOKENS = 48
+PASTED_TEXT: dict[str, tuple[str, ...]] = {
+    "summarisation": (
+        "Summarize the following text in a few sentences.\n\n{text}",
+        "{text}\n\nSummarize the text above.",
+        "Write a one-paragraph summary of this:\n\n{text}",
+        "{text}\n\nGive me the gist of this in two sentences.",
+    ),
+    "passage_qa": (
+        "Read the passage below and explain its main point.\n\n{text}",
+        "{text}\n\nWhat are the key facts stated in this passage?",
+        "Based on the following text, list three things it says.\n\n{text}",
+        "{text}\n\nIs anything in the text above doubtful or unclear? Explain.",
+    ),
+}
 PLACEHOLDER = "\u2063QUERY\u2063"
 # The batching scheme changes which random numbers each row draws, hence the data; a
 # directory is only extended by the scheme that began it (1: fixed batches per sampling
@@ -58,7 +74,7 @@ class DataConfig:
     shard_size: int = 64  # conversations started per shard
     batch_size: int = 32
     max_query_tokens: int = 96
-    max_pasted_query_tokens: int = 512  # for the task families in PASTED_TEXT
+    max_passage_tokens: int = 512  # the pasted text of a PASTED_TEXT prompt
     max_answer_tokens: int = 384
     multi_turn: float = 0.2  # fraction of conversations that get a second user turn
     greedy_fraction: float = 0.5  # answers decoded greedily; the rest are sampled
@@ -80,7 +96,7 @@ def normalise(query: str) -> str:
 def usable_query(query: str) -> bool:
     """Reject fragments, template debris and prompts that are mostly not words."""
     words = query.split()
-    return 3 <= len(words) <= 600 and "<|" not in query and sum(c.isalpha() for c in query) > 0.5 * len(query.replace(" ", ""))
+    return 3 <= len(words) <= 300 and "<|" not in query and sum(c.isalpha() for c in query) > 0.5 * len(query.replace(" ", ""))
 
 
 class DataWriter:
@@ -136,61 +152,75 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     stop = stop_token_ids(model.model, tok)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + shard)
     rng = torch.Generator().manual_seed(cfg.seed * 7_919 + shard)
-    tasks = list(TASKS)
-    picks = torch.randint(0, len(tasks), (cfg.shard_size,), generator=rng).tolist()
+    families = list(TASKS) + list(PASTED_TEXT)
+    picks = [families[i] for i in torch.randint(0, len(families), (cfg.shard_size,), generator=rng).tolist()]
     query_params = SamplingParams(temperature=cfg.query_temperature)
     answer_params = SamplingParams(temperature=cfg.answer_temperature)
-
-    # 1. user prompts, steered per task
-    prefixes = [tok(pre_query_prefix(tok, [{"role": "system", "content": TASKS[tasks[t]]}]),
-                    add_special_tokens=False)["input_ids"] for t in picks]
-    budgets = [cfg.max_pasted_query_tokens if tasks[t] in PASTED_TEXT else cfg.max_query_tokens for t in picks]
-    queries = generate_many(model.model, [Request(p, n, query_params) for p, n in zip(prefixes, budgets)], stop, gen,
-                            batch_size=cfg.batch_size)
-    convs: list[dict[str, Any]] = []
-    for t, (ids, finished) in zip(picks, queries):
-        q = tok.decode(ids, skip_special_tokens=True).strip()
-        key = normalise(q)
-        if finished and usable_query(q) and key not in seen:
-            seen.add(key)
-            convs.append({"task": tasks[t], "messages": [{"role": "user", "content": q}]})
-
-    # 2. answers; 3. follow-up user turns for some; 4. their answers
     records: list[dict[str, Any]] = []
-    greedy = torch.rand(len(convs), generator=rng) < cfg.greedy_fraction
-    follow = torch.rand(len(convs), generator=rng) < cfg.multi_turn
-    active = list(range(len(convs)))
-    for turn in range(2):
+    convs: list[dict[str, Any]] = []
+
+    def add_conversation(task: str, query: str) -> None:
+        key = normalise(query)
+        if key not in seen:
+            seen.add(key)
+            convs.append({"task": task, "messages": [{"role": "user", "content": query}],
+                          "greedy": bool(torch.rand(1, generator=rng) < cfg.greedy_fraction),
+                          "follow": bool(torch.rand(1, generator=rng) < cfg.multi_turn)})
+
+    def write_queries(histories: list[list[dict[str, str]]]) -> list[str | None]:
+        """Magpie: the user turn the model writes after each history (None when unusable)."""
+        prefixes = [tok(pre_query_prefix(tok, h), add_special_tokens=False)["input_ids"] for h in histories]
+        out = generate_many(model.model, [Request(p, cfg.max_query_tokens, query_params) for p in prefixes], stop,
+                            gen, batch_size=cfg.batch_size)
+        texts = [tok.decode(ids, skip_special_tokens=True).strip() if finished else "" for ids, finished in out]
+        return [q if usable_query(q) else None for q in texts]
+
+    def answer(active: list[int], turn: int) -> None:
         prompts = [encode_chat(tok, convs[i]["messages"]) for i in active]
-        requests = [Request(p, cfg.max_answer_tokens, SamplingParams() if greedy[i] else answer_params)
+        requests = [Request(p, cfg.max_answer_tokens, SamplingParams() if convs[i]["greedy"] else answer_params)
                     for p, i in zip(prompts, active)]
-        answers = generate_many(model.model, requests, stop, gen, batch_size=cfg.batch_size)
-        for k, (ids, finished) in enumerate(answers):
-            c = convs[active[k]]
+        for i, prompt, (ids, finished) in zip(active, prompts, generate_many(model.model, requests, stop, gen,
+                                                                               batch_size=cfg.batch_size)):
+            c = convs[i]
             records.append({
-                "id": f"{shard}-{active[k]}-{turn}", "task": c["task"], "turn": turn,
-                "query": c["messages"][-1]["content"],
-                "sampling": "greedy" if greedy[active[k]] else f"t{cfg.answer_temperature}",
-                "prompt_ids": prompts[k], "answer_ids": ids, "finished": finished,
+                "id": f"{shard}-{i}-{turn}", "task": c["task"], "turn": turn, "query": c["messages"][-1]["content"],
+                "sampling": "greedy" if c["greedy"] else f"t{cfg.answer_temperature}",
+                "prompt_ids": prompt, "answer_ids": ids, "finished": finished,
             })
             c["messages"].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
-        if turn == 1:
+
+    # 1. user prompts the model writes, steered per task family, and their answers
+    written = [t for t in picks if t in TASKS]
+    for task, query in zip(written, write_queries([[{"role": "system", "content": TASKS[t]}] for t in written])):
+        if query is not None:
+            add_conversation(task, query)
+    answer(list(range(len(convs))), 0)
+
+    # 2. prompts that paste a text: the target's own answers above (one or two), under an instruction
+    passages = [r["answer_ids"] for r in records if len(r["answer_ids"]) >= MIN_PASSAGE_TOKENS]
+    order = torch.randperm(len(passages), generator=rng).tolist()  # each answer pasted once before any repeats
+    first_pasted = len(convs)
+    for k, task in enumerate(t for t in picks if t in PASTED_TEXT):
+        if not passages:
             break
-        active = [i for i in active if bool(follow[i])]
-        if not active:
-            break
-        prefixes = [tok(pre_query_prefix(tok, convs[i]["messages"]), add_special_tokens=False)["input_ids"] for i in active]
-        followups = generate_many(model.model, [Request(p, cfg.max_query_tokens, query_params) for p in prefixes], stop,
-                                  gen, batch_size=cfg.batch_size)
-        kept = []
-        for i, (ids, finished) in zip(active, followups):
-            q = tok.decode(ids, skip_special_tokens=True).strip()
-            if finished and usable_query(q):
-                convs[i]["messages"].append({"role": "user", "content": q})
-                kept.append(i)
-        active = kept
-        if not active:
-            break
+        one, two = passages[order[2 * k % len(order)]], passages[order[(2 * k + 1) % len(order)]]
+        ids = one + (tok("\n\n", add_special_tokens=False)["input_ids"] + two
+                     if len(one) + len(two) < cfg.max_passage_tokens and one is not two else [])
+        templates = PASTED_TEXT[task]
+        template = templates[int(torch.randint(0, len(templates), (1,), generator=rng))]
+        add_conversation(task, template.format(text=tok.decode(ids[: cfg.max_passage_tokens], skip_special_tokens=True).strip()))
+    answer(list(range(first_pasted, len(convs))), 0)
+
+    # 3. a model-written follow-up turn for some conversations, and its answer
+    active = [i for i, c in enumerate(convs) if c["follow"]]
+    followups = write_queries([convs[i]["messages"] for i in active]) if active else []
+    kept = []
+    for i, query in zip(active, followups):
+        if query is not None:
+            convs[i]["messages"].append({"role": "user", "content": query})
+            kept.append(i)
+    if kept:
+        answer(kept, 1)
     return records
 
 
