@@ -59,14 +59,17 @@ def test_pasted_text_prompts_quote_the_shards_own_answers(tiny_llama, monkeypatc
 
     def fake_generate_many(model, requests, stop, gen, batch_size):  # type: ignore[no-untyped-def]
         # a readable, distinct, finished continuation per request: the pipeline's logic is under test here
-        return [(tok(f" reply {len(r.prompt)} words" * 20, add_special_tokens=False)["input_ids"], True) for r in requests]
+        return [(tok(f" reply {len(r.prompt)} words" * 5, add_special_tokens=False)["input_ids"][: r.max_new_tokens], True)
+                for r in requests]
 
     monkeypatch.setattr(datagen, "generate_many", fake_generate_many)
-    records = datagen.make_shard(tiny_llama, DataConfig(shard_size=40, max_passage_tokens=5000), 0, set())
+    records = datagen.make_shard(tiny_llama, DataConfig(shard_size=40, max_query_tokens=80, max_answer_tokens=80,
+                                                           max_passage_tokens=300), 0, set())
     written = [tok.decode(r["answer_ids"], skip_special_tokens=True).strip() for r in records
                if r["task"] in datagen.TASKS and r["turn"] == 0]
     pasted = [r for r in records if r["task"] in datagen.PASTED_TEXT and r["turn"] == 0]
     assert pasted and written
+    assert all(len(r["prompt_ids"]) + 80 <= tiny_llama.cfg.max_position_embeddings for r in records)  # fits the context
     for r in pasted:
         assert any(t.split("{text}")[0] in r["query"] and t.split("{text}")[1] in r["query"]
                    for t in datagen.PASTED_TEXT[r["task"]])

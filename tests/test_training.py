@@ -254,3 +254,7 @@ def test_same_data_as_replays_another_runs_batches(tiny_llama, tiny_data: Path, 
     with pytest.raises(MoaspecError, match="give one of them"):
         Trainer(tiny_llama, tiny_data, tmp_path / "y", small(same_data_as=str(tmp_path / "moa"),
                                                              init_from=str(tmp_path / "moa" / "drafter")), progress=False)
+    longer = small(same_data_as=str(tmp_path / "moa"))
+    with pytest.raises(MoaspecError, match="used --max-len"):  # other truncation: other batches
+        Trainer(tiny_llama, tiny_data, tmp_path / "z", TrainConfig(**{**longer.__dict__, "max_len": longer.max_len + 1}),
+                progress=False)

@@ -158,6 +158,7 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     answer_params = SamplingParams(temperature=cfg.answer_temperature)
     records: list[dict[str, Any]] = []
     convs: list[dict[str, Any]] = []
+    context = model.cfg.max_position_embeddings  # a request must fit with its whole budget
 
     def add_conversation(task: str, query: str) -> None:
         key = normalise(query)
@@ -170,13 +171,19 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     def write_queries(histories: list[list[dict[str, str]]]) -> list[str | None]:
         """Magpie: the user turn the model writes after each history (None when unusable)."""
         prefixes = [tok(pre_query_prefix(tok, h), add_special_tokens=False)["input_ids"] for h in histories]
-        out = generate_many(model.model, [Request(p, cfg.max_query_tokens, query_params) for p in prefixes], stop,
+        fits = [k for k, p in enumerate(prefixes) if len(p) + cfg.max_query_tokens <= context]
+        out = generate_many(model.model, [Request(prefixes[k], cfg.max_query_tokens, query_params) for k in fits], stop,
                             gen, batch_size=cfg.batch_size)
-        texts = [tok.decode(ids, skip_special_tokens=True).strip() if finished else "" for ids, finished in out]
-        return [q if usable_query(q) else None for q in texts]
+        queries: list[str | None] = [None] * len(histories)
+        for k, (ids, finished) in zip(fits, out):
+            q = tok.decode(ids, skip_special_tokens=True).strip()
+            queries[k] = q if finished and usable_query(q) else None
+        return queries
 
     def answer(active: list[int], turn: int) -> None:
         prompts = [encode_chat(tok, convs[i]["messages"]) for i in active]
+        fits = [k for k, p in enumerate(prompts) if len(p) + cfg.max_answer_tokens <= context]
+        active, prompts = [active[k] for k in fits], [prompts[k] for k in fits]
         requests = [Request(p, cfg.max_answer_tokens, SamplingParams() if convs[i]["greedy"] else answer_params)
                     for p, i in zip(prompts, active)]
         for i, prompt, (ids, finished) in zip(active, prompts, generate_many(model.model, requests, stop, gen,
@@ -197,7 +204,9 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     answer(list(range(len(convs))), 0)
 
     # 2. prompts that paste a text: the target's own answers above (one or two), under an instruction
-    passages = [r["answer_ids"] for r in records if len(r["answer_ids"]) >= MIN_PASSAGE_TOKENS]
+    longest = min(cfg.max_passage_tokens, context - cfg.max_answer_tokens - 64)  # 64: template and instruction
+    passages = [r["answer_ids"][:longest] for r in records
+                if len(r["answer_ids"]) >= MIN_PASSAGE_TOKENS and longest >= MIN_PASSAGE_TOKENS]
     order = torch.randperm(len(passages), generator=rng).tolist()  # each answer pasted once before any repeats
     first_pasted = len(convs)
     for k, task in enumerate(t for t in picks if t in PASTED_TEXT):
@@ -205,10 +214,10 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
             break
         one, two = passages[order[2 * k % len(order)]], passages[order[(2 * k + 1) % len(order)]]
         ids = one + (tok("\n\n", add_special_tokens=False)["input_ids"] + two
-                     if len(one) + len(two) < cfg.max_passage_tokens and one is not two else [])
+                     if len(one) + len(two) < longest and one is not two else [])
         templates = PASTED_TEXT[task]
         template = templates[int(torch.randint(0, len(templates), (1,), generator=rng))]
-        add_conversation(task, template.format(text=tok.decode(ids[: cfg.max_passage_tokens], skip_special_tokens=True).strip()))
+        add_conversation(task, template.format(text=tok.decode(ids[:longest], skip_special_tokens=True).strip()))
     answer(list(range(first_pasted, len(convs))), 0)
 
     # 3. a model-written follow-up turn for some conversations, and its answer

@@ -163,9 +163,14 @@ class Trainer:
         from moaspec.drafters.checkpoint import load_drafter
 
         try:
-            shards = {int(k): int(v) for k, v in json.loads((run / "progress.json").read_text())["epoch_shards"].items()}
+            progress = json.loads((run / "progress.json").read_text())
+            shards = {int(k): int(v) for k, v in progress["epoch_shards"].items()}
+            ref_cfg = progress["config"]
         except (OSError, ValueError, KeyError, AttributeError) as e:
             raise MoaspecError(f"--same-data-as {run}: not a training run directory with progress.json ({e})") from e
+        for name in ("max_len", "tokens_per_batch", "seed", "val_fraction"):  # what else decides the batches
+            if name in ref_cfg and ref_cfg[name] != getattr(self.cfg, name):
+                raise MoaspecError(f"--same-data-as {run} used --{name.replace('_', '-')} {ref_cfg[name]}; pass the same")
         available = len(read_manifest(self.data_dir)["shards"])
         if shards and max(shards.values()) > available:
             raise MoaspecError(f"--same-data-as {run} used {max(shards.values())} shards; {self.data_dir} has {available}")
