@@ -64,7 +64,7 @@ PASTED_TEXT: dict[str, tuple[str, ...]] = {
 PLACEHOLDER = "\u2063QUERY\u2063"
 # The batching scheme changes which random numbers each row draws, hence the data; a
 # directory is only extended by the scheme that began it (1: fixed batches per sampling
-# rule; 2: mixed rules per batch, refill by recompute).
+# rule; 2: mixed rules per batch, refill by recompute, pasted-text task families).
 GENERATOR = 2
 
 
@@ -212,9 +212,10 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     for k, task in enumerate(t for t in picks if t in PASTED_TEXT):
         if not passages:
             break
-        one, two = passages[order[2 * k % len(order)]], passages[order[(2 * k + 1) % len(order)]]
+        i, j = order[2 * k % len(order)], order[(2 * k + 1) % len(order)]
+        one, two = passages[i], passages[j]
         ids = one + (tok("\n\n", add_special_tokens=False)["input_ids"] + two
-                     if len(one) + len(two) < longest and one is not two else [])
+                     if len(one) + len(two) < longest and i != j else [])
         templates = PASTED_TEXT[task]
         template = templates[int(torch.randint(0, len(templates), (1,), generator=rng))]
         add_conversation(task, template.format(text=tok.decode(ids[:longest], skip_special_tokens=True).strip()))
