@@ -32,19 +32,20 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(None, device="cpu", with_tokenizer=False)
-    train, _, _ = load_examples(Path(args.data), 768, 0.02)
+    train, _ = load_examples([Path(args.data)], lm.fingerprint, 768, 0.02)
     batches = [collate([train[i] for i in b]) for b in make_batches(train, args.tokens_per_batch, 0, 0)[: args.batches]]
     tokens = sum(int(b.lengths.sum()) for b in batches)
     root = Path(tempfile.mkdtemp(prefix="moaspec-features-"))
     try:
-        store = FeatureStore(lm.model, 0, root)
+        store = FeatureStore(lm.model, 0)
+        files = [[root / f"{k}.safetensors" for k in b.keys] for b in batches]
         t0 = time.perf_counter()
-        for b in batches:
-            store.features(b.tokens, b.lengths, b.keys)  # computes and writes
+        for b, f in zip(batches, files):
+            store.features(b.tokens, b.lengths, f)  # computes and writes
         compute = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for b in batches:
-            store.features(b.tokens, b.lengths, b.keys)  # reads back
+        for b, f in zip(batches, files):
+            store.features(b.tokens, b.lengths, f)  # reads back
         read = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in root.iterdir())
     finally:

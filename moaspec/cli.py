@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(d)
 
     t = sub.add_parser("train", help="distil a MoA drafter from the target (HF Accelerate; works under accelerate launch / torchrun)")
-    t.add_argument("--data", required=True, help="directory made by `moaspec data`")
+    t.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="one or more directories made by `moaspec data`, trained on together")
     t.add_argument("--output", required=True, help="run directory: state, logs, and the exported drafter in OUTPUT/drafter (resumes if it exists)")
     t.add_argument("--kind", choices=("moa", "eagle", "independent"), default="moa",
                    help="drafter to train: MoA, the EAGLE baseline, or an independent small model (classic speculative decoding)")
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on exactly the batches another run used (its shards per epoch and draft vocabulary): "
                         "a like-for-like comparison even after the data set grew")
     t.add_argument("--no-feature-cache", action="store_true",
-                   help="recompute the target's features every epoch instead of caching them (fp16, ~24 KiB/token for SmolLM2) under DATA/features")
+                   help="recompute the target's features every epoch instead of caching them (fp16, ~24 KiB/token for SmolLM2) under DIR/features")
     t.add_argument("--no-progress", action="store_true")
     _add_model_options(t)
 
@@ -346,7 +347,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                  "memory_source": "last-layer" if args.no_lsa else None}
     elif args.kind == "independent":
         sizes = {"layers": args.layers}
-    trainer = Trainer(loaded, Path(args.data), Path(args.output), cfg, sizes, progress=not args.no_progress)
+    trainer = Trainer(loaded, [Path(d) for d in args.data], Path(args.output), cfg, sizes, progress=not args.no_progress)
     summary = trainer.train()
     if trainer.acc.is_main_process:
         print(json.dumps({k: summary[k] for k in ("steps", "tokens", "wall_s", "last_val")}))

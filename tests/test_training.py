@@ -169,10 +169,11 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path: Pa
 
     tokens = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
     lengths = torch.tensor([5, 3])
-    store = FeatureStore(tiny_llama.model, 1, tmp_path / "f")
-    first = store.features(tokens, lengths, ("a", "b"))
+    store = FeatureStore(tiny_llama.model, 1)
+    files = (tmp_path / "f" / "a.safetensors", tmp_path / "f" / "b.safetensors")
+    first = store.features(tokens, lengths, files)
     assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["a.safetensors", "b.safetensors"]
-    again = store.features(tokens, lengths, ("a", "b"))  # now read from disk
+    again = store.features(tokens, lengths, files)  # now read from disk
     fresh = target_pass(tiny_llama.model, tokens, 1)
     for x, y, z in [(first.token_kv, again.token_kv, fresh.token_kv), (first.final, again.final, fresh.final),
                     (first.layer, again.layer, fresh.layer)]:
@@ -180,7 +181,8 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path: Pa
         torch.testing.assert_close(x[0], z[0])  # the full row; padding of row 1 is zero in the store
         torch.testing.assert_close(x[1, :3], z[1, :3])
     (tmp_path / "f" / "a.safetensors").write_bytes(b"garbage")  # a damaged file is recomputed, not trusted
-    assert torch.equal(store.features(tokens, lengths, ("a", "b")).final, first.final)
+    assert torch.equal(store.features(tokens, lengths, files).final, first.final)
+    assert torch.equal(store.features(tokens, lengths, (None, None)).final, first.final)  # no cache: computed alike
 
 
 def test_data_written_during_training_joins_at_the_next_epoch(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -204,7 +206,7 @@ def test_data_written_during_training_joins_at_the_next_epoch(tiny_llama, tiny_d
     Trainer(tiny_llama, data, tmp_path / "run", cfg, progress=False).train()
     shards = {int(k): v for k, v in json.loads((tmp_path / "run" / "progress.json").read_text())["epoch_shards"].items()}
     assert shards[0] == first[0]  # the resumed run replayed epoch 0 as it was
-    assert max(shards.values()) > first[0]  # later epochs include the new shards
+    assert max(v[0] for v in shards.values()) > first[0][0]  # later epochs include the new shards
 
 
 def test_warm_start_from_an_exported_drafter(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -258,3 +260,28 @@ def test_same_data_as_replays_another_runs_batches(tiny_llama, tiny_data: Path, 
     with pytest.raises(MoaspecError, match="used --max-len"):  # other truncation: other batches
         Trainer(tiny_llama, tiny_data, tmp_path / "z", TrainConfig(**{**longer.__dict__, "max_len": longer.max_len + 1}),
                 progress=False)
+
+
+def test_trains_on_several_data_directories(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two data sets train together; their record ids may repeat, so each keeps its own feature cache."""
+    import shutil
+
+    from moaspec.training.trainer import shard_counts
+
+    second = tmp_path / "second"
+    shutil.copytree(tiny_data, second, ignore=shutil.ignore_patterns("features"))  # the same record ids
+    one = Trainer(tiny_llama, tiny_data, tmp_path / "one", small(steps=2, save_every=2), progress=False)
+    both = Trainer(tiny_llama, [tiny_data, second], tmp_path / "both", small(steps=4, save_every=4), progress=False)
+    assert len(both.train_set) == 2 * len(one.train_set) and len(both.val_set) == 2 * len(one.val_set)
+    assert {ex.source for ex in both.train_set} == {0, 1}
+    both.train()
+    progress = json.loads((tmp_path / "both" / "progress.json").read_text())
+    shards = len(json.loads((tiny_data / "manifest.json").read_text())["shards"])
+    assert shard_counts(progress["epoch_shards"])[0] == [shards, shards]
+    assert any((second / "features").rglob("*.safetensors"))  # the second set's features live beside it
+    with pytest.raises(MoaspecError, match="given twice"):
+        Trainer(tiny_llama, [tiny_data, tiny_data], tmp_path / "twice", small(), progress=False)
+    with pytest.raises(MoaspecError, match="2 data directories"):  # a like-for-like replay needs the same data sets
+        Trainer(tiny_llama, tiny_data, tmp_path / "replay", small(kind="eagle", same_data_as=str(tmp_path / "both")),
+                progress=False)
+    assert shard_counts({"0": 3, "1": [4, 2]}) == {0: [3], 1: [4, 2]}  # progress.json from before several directories

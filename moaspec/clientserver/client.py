@@ -184,17 +184,18 @@ class SplitIndependentProposer(IndependentProposer):
 SplitProposer = SplitMoAProposer | SplitEagleProposer | SplitIndependentProposer
 
 
+SPLIT_PROPOSERS: dict[type[Drafter], Callable[[Any], SplitProposer]] = {
+    MoADrafter: SplitMoAProposer, EagleDrafter: SplitEagleProposer, IndependentDrafter: SplitIndependentProposer}
+
+
 def split_proposer(drafter: Drafter) -> SplitProposer:
     """A fresh client-side proposer for ``drafter`` (one per generation)."""
-    if isinstance(drafter, MoADrafter):
-        if drafter.cfg.tli_layers:
-            raise MoaspecError("client–server decoding needs a MoA drafter without Target Layer Inference (N = 0)")
-        return SplitMoAProposer(drafter)
-    if isinstance(drafter, EagleDrafter):
-        return SplitEagleProposer(drafter)
-    if isinstance(drafter, IndependentDrafter):
-        return SplitIndependentProposer(drafter)
-    raise MoaspecError(f"no client–server proposer for {type(drafter).__name__}")
+    if isinstance(drafter, MoADrafter) and drafter.cfg.tli_layers:
+        raise MoaspecError("client–server decoding needs a MoA drafter without Target Layer Inference (N = 0)")
+    proposer = SPLIT_PROPOSERS.get(type(drafter))
+    if proposer is None:
+        raise MoaspecError(f"no client–server proposer for {type(drafter).__name__}")
+    return proposer(drafter)
 
 
 @dataclass

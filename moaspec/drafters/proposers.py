@@ -10,7 +10,8 @@ of its ancestors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -296,12 +297,14 @@ class IndependentProposer(OwnCacheProposer):
         self._keep_accepted(self.own, verified, keep_slots)
 
 
+PROPOSERS: dict[type[Drafter], Callable[[Any], DrafterProposer]] = {
+    MoADrafter: MoAProposer, EagleDrafter: EagleProposer, IndependentDrafter: IndependentProposer}
+"""The proposer that drives each drafter class: a new drafter plugs in by adding its pair."""
+
+
 def proposer_for(drafter: Drafter) -> DrafterProposer:
     """A fresh proposer (one per generation: it holds that generation's drafter state)."""
-    if isinstance(drafter, MoADrafter):
-        return MoAProposer(drafter)
-    if isinstance(drafter, EagleDrafter):
-        return EagleProposer(drafter)
-    if isinstance(drafter, IndependentDrafter):
-        return IndependentProposer(drafter)
-    raise TypeError(f"no proposer for {type(drafter).__name__}")
+    proposer = PROPOSERS.get(type(drafter))
+    if proposer is None:
+        raise TypeError(f"no proposer for {type(drafter).__name__}")
+    return proposer(drafter)

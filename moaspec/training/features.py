@@ -45,33 +45,31 @@ def target_pass(target: Transformer, tokens: torch.Tensor, tli_layers: int) -> T
 
 
 class FeatureStore:
-    """Features per example key, in ``root/<key>.safetensors``; ``root=None`` computes them every time."""
+    """The target's features for a batch, each row cached in its own file (``None``: compute, keep nothing).
 
-    def __init__(self, target: Transformer, tli_layers: int, root: Path | None) -> None:
-        self.target, self.tli_layers, self.root = target, tli_layers, root
-        if root is not None:
-            root.mkdir(parents=True, exist_ok=True)
+    The caller names the files, so examples from several data directories each keep
+    their cache beside their own data.
+    """
 
-    def _path(self, key: str) -> Path:
-        assert self.root is not None
-        return self.root / f"{key}.safetensors"
+    def __init__(self, target: Transformer, tli_layers: int) -> None:
+        self.target, self.tli_layers = target, tli_layers
 
-    def _load(self, key: str, length: int) -> dict[str, torch.Tensor] | None:
-        if self.root is None or not self._path(key).is_file():
+    def _load(self, path: Path | None, length: int) -> dict[str, torch.Tensor] | None:
+        if path is None or not path.is_file():
             return None
         try:
-            t = load_file(str(self._path(key)))
+            t = load_file(str(path))
         except (SafetensorError, OSError):
             return None  # unreadable: recompute and overwrite
         if t["kv"].shape[0] != length or (self.tli_layers and "layer" not in t):
             return None
         return t
 
-    def features(self, tokens: torch.Tensor, lengths: torch.Tensor, keys: Sequence[str]) -> TargetOut:
-        """Features for a right-padded batch; rows not in the cache are computed together and stored."""
+    def features(self, tokens: torch.Tensor, lengths: torch.Tensor, files: Sequence[Path | None]) -> TargetOut:
+        """Features for a right-padded batch; rows not in their cache file are computed together and stored."""
         B, S = tokens.shape
         device = self.target.device
-        cached = [self._load(k, int(n)) for k, n in zip(keys, lengths)]
+        cached = [self._load(f, int(n)) for f, n in zip(files, lengths)]
         missing = [b for b, c in enumerate(cached) if c is None]
         if missing:
             fresh = target_pass(self.target, tokens[missing].to(device), self.tli_layers)
@@ -81,8 +79,10 @@ class FeatureStore:
                 if fresh.layer is not None:
                     row["layer"] = fresh.layer[j, :n].half()
                 cached[b] = row
-                if self.root is not None:
-                    atomic_write(self._path(keys[b]), lambda p, r=row: save_file({k: v.contiguous().cpu() for k, v in r.items()}, str(p)))
+                path = files[b]
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write(path, lambda p, r=row: save_file({k: v.contiguous().cpu() for k, v in r.items()}, str(p)))
         L, W = self.target.cfg.num_layers, 2 * self.target.cfg.kv_dim
         d = self.target.cfg.hidden_size
         kv = torch.zeros(B, S, L, W, device=device)
