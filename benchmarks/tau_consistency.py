@@ -42,7 +42,8 @@ def replay_masks(prompt_len: int, cycles: list[int], seq_len: int) -> Masks:
     for n in cycles:
         starts[s : s + n] = s
         s += n
-    loss = torch.arange(seq_len) >= prompt_len
+    pos = torch.arange(seq_len)
+    loss = (pos >= prompt_len) & (pos < s)  # not past the last cycle
     return Masks(self_attention_mask(starts, False)[None], cross_attention_mask(starts, prompt_len)[None],
                  starts[None], loss[None])
 
@@ -71,7 +72,6 @@ def main() -> None:
         seq = ids + res.token_ids[: sum(cycles) + 1]
         batch = collate([Example(tuple(seq), len(ids))])
         masks = replay_masks(len(ids), cycles, len(seq))
-        masks.loss[0, len(ids) + sum(cycles):] = False  # positions after the last full cycle
         with torch.no_grad():
             tgt = target_pass(lm.model, batch.tokens, 0)
             out = drafter_loss(drafter, lm.model, batch, masks, tgt)
