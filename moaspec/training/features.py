@@ -80,8 +80,7 @@ class FeatureStore:
                     row["layer"] = fresh.layer[j, :n].half()
                 cached[b] = row
                 path = files[b]
-                if path is not None:
-                    path.parent.mkdir(parents=True, exist_ok=True)
+                if path is not None:  # atomic_write makes the directory
                     atomic_write(path, lambda p, r=row: save_file({k: v.contiguous().cpu() for k, v in r.items()}, str(p)))
         L, W = self.target.cfg.num_layers, 2 * self.target.cfg.kv_dim
         d = self.target.cfg.hidden_size
