@@ -39,6 +39,12 @@ def _default_chain() -> int:
     return DEFAULT_CHAIN
 
 
+def _add_lookup_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup", type=int, default=0, metavar="N",
+                   help="prompt lookup: up to N drafts copied from where the newest tokens occurred before, the "
+                        "drafter drafting only where nothing matches (chains only; with --no-draft, lookup alone)")
+
+
 def _add_tree_options(p: argparse.ArgumentParser) -> None:
     from moaspec.decoding.tree import TreeShape
 
@@ -63,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"chain drafting: T drafts per target forward (default {_default_chain()}, measured best here; see BENCHMARKS.md)")
     g.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
     _add_tree_options(g)
+    _add_lookup_option(g)
     g.add_argument("--show-drafts", action="store_true", help="colour the text that came from accepted drafts")
     _add_model_options(g)
     _add_generation_options(g)
@@ -139,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chain", type=int, default=_default_chain(), metavar="T", help="drafts per target forward (chain drafting)")
     s.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
     _add_tree_options(s)
+    _add_lookup_option(s)
     _add_model_options(s)
 
     c = sub.add_parser("client", help="draft here, verify on a `moaspec serve` server (keeps generating if it goes away)")
@@ -194,14 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
     b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     b.add_argument("--methods", default="vanilla,moa,hf",
-                   help="comma list from vanilla, moa, moa-chain, eagle2, independent, hf, hf-pld, hf-assisted")
+                   help="comma list from vanilla, moa, moa-chain, moa-pld, pld, eagle2, independent, hf, hf-pld, hf-assisted")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
     b.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
     b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2")
     b.add_argument("--independent-drafter", default=None, help="independent drafter for independent and hf-assisted")
-    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain and independent")
+    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain, moa-pld and independent")
+    b.add_argument("--lookup", type=int, default=10, help="prompt lookup drafts per target forward for pld, moa-pld and hf-pld")
     _add_tree_options(b)
     b.add_argument("--no-progress", action="store_true")
     _add_model_options(b)
@@ -258,7 +267,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stream(f"{DRAFT_COLOUR}{text}{RESET}" if drafted else text)
 
     strategy = _strategy(args, loaded)
-    if args.show_drafts and not args.json and strategy.drafter is not None:
+    if args.show_drafts and not args.json and (strategy.drafter is not None or strategy.lookup):
         print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)
     result = strategy.run(loaded, ids, config, on_text=None if args.json else stream,
                           on_piece=coloured if args.show_drafts and not args.json else None)
@@ -270,22 +279,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
-    """The decoding the options ask for: the given or shipped drafter, chain or tree; or none."""
+    """The decoding the options ask for: the given or shipped drafter, chain or tree, prompt lookup; or none."""
     from moaspec.decoding.strategy import Strategy
     from moaspec.decoding.tree import TreeShape
     from moaspec.drafters import load_drafter, shipped_drafter
 
+    if args.lookup < 0:
+        raise MoaspecError("--lookup must be >= 0 (0: off)")
     if args.no_draft:
-        return Strategy()
+        return Strategy(lookup=args.lookup)
     if args.chain < 1:
         raise MoaspecError("--chain must be >= 1")
     path = args.drafter or shipped_drafter(loaded)
     if path is None:
         print(f"moaspec: no drafter ships for {loaded.path.name}; decoding without drafts "
               "(train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
-        return Strategy()
+        return Strategy(lookup=args.lookup)
     tree = TreeShape(args.tree_depth, args.tree_top_k, args.tree_total) if args.tree else None
-    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=tree)
+    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=tree, lookup=args.lookup)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -366,12 +377,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not names or len(set(names)) != len(names):
         raise MoaspecError("--methods needs a comma list of distinct methods")
-    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or args.chain < 1:
-        raise MoaspecError("--max-new-tokens, --limit and --chain must be >= 1")
+    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or args.chain < 1 or args.lookup < 1:
+        raise MoaspecError("--max-new-tokens, --limit, --chain and --lookup must be >= 1")
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = _load(args)
     opts = MethodOptions(moa_drafter=args.drafter, eagle_drafter=args.eagle_drafter,
-                         independent_drafter=args.independent_drafter, chain=args.chain,
+                         independent_drafter=args.independent_drafter, chain=args.chain, pld_tokens=args.lookup,
                          tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total))
     methods = build_methods(names, loaded, opts)
     summary = run_bench(loaded, questions, methods, args.max_new_tokens, Path(args.output), progress=not args.no_progress)

@@ -33,6 +33,16 @@ def test_generate_json(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     assert {"text", "finish_reason", "tokens_per_s", "total_s", "prefill_s", "target_calls"} <= out.keys()
 
 
+def test_generate_with_prompt_lookup_alone_matches_plain_decoding(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    common = ("--model", str(tiny_dirs["llama"]), "--max-new-tokens", "24", "--json", "--no-draft")
+    plain = json.loads(run_cli("generate", "the the the", *common).stdout)
+    proc = run_cli("generate", "the the the", *common, "--lookup", "6")
+    assert proc.returncode == 0, proc.stderr
+    lookup = json.loads(proc.stdout)
+    assert lookup["text"] == plain["text"]
+    assert lookup["target_calls"] <= plain["target_calls"]
+
+
 def test_generate_streams_and_matches_json(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     common = ("--model", str(tiny_dirs["qwen2"]), "--max-new-tokens", "12", "--temperature", "0.7", "--seed", "3")
     streamed = run_cli("generate", "hello", *common)
@@ -95,7 +105,7 @@ def test_damaged_model_directory(tiny_dirs, tmp_path: Path, damage: str) -> None
 
 
 @pytest.mark.parametrize("opts,fragment", [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"),
-                                           (["--max-new-tokens", "0"], "max_new_tokens")])
+                                           (["--max-new-tokens", "0"], "max_new_tokens"), (["--lookup", "-2"], "--lookup")])
 def test_bad_options(tiny_dirs, opts, fragment) -> None:  # type: ignore[no-untyped-def]
     assert_one_line_error(run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), *opts), fragment)
 

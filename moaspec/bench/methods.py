@@ -30,7 +30,7 @@ from moaspec.errors import MoaspecError
 from moaspec.models.loading import LoadedModel
 
 Method = Callable[[Sequence[int], int], GenerationResult]
-KNOWN = ("vanilla", "moa", "moa-chain", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
+KNOWN = ("vanilla", "moa", "moa-chain", "moa-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class MethodOptions:
     independent_drafter: str | None = None
     tree: TreeShape = TreeShape()
     chain: int = DEFAULT_CHAIN
-    pld_tokens: int = 10
+    pld_tokens: int = 10  # prompt lookup drafts per target forward (pld, moa-pld, hf-pld)
 
 
 def _ours(target: LoadedModel, strategy: Strategy) -> Method:
@@ -98,14 +98,16 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
 
     ``independent`` drafts chains (classic speculative decoding) of ``opts.chain``;
     ``hf-assisted`` hands the same independent drafter, converted to a transformers
-    ``LlamaForCausalLM``, to ``generate`` as its ``assistant_model``.
+    ``LlamaForCausalLM``, to ``generate`` as its ``assistant_model``. ``pld`` is prompt
+    lookup on this runtime (``hf-pld`` is transformers' own); ``moa-pld`` puts it in
+    front of MoA chains.
     """
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN)}")
     methods: dict[str, Method] = {}
     moa = None
-    if {"moa", "moa-chain"} & set(names):
+    if {"moa", "moa-chain", "moa-pld"} & set(names):
         path = opts.moa_drafter or shipped_drafter(target)
         if path is None:
             raise MoaspecError(f"no MoA drafter for {target.path.name}: pass --drafter")
@@ -121,6 +123,10 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
             methods[name] = _ours(target, Strategy(moa, tree=opts.tree))
         elif name == "moa-chain":
             methods[name] = _ours(target, Strategy(moa, chain=opts.chain))
+        elif name == "moa-pld":
+            methods[name] = _ours(target, Strategy(moa, chain=opts.chain, lookup=opts.pld_tokens))
+        elif name == "pld":
+            methods[name] = _ours(target, Strategy(lookup=opts.pld_tokens))
         elif name == "eagle2":
             methods[name] = _ours(target, Strategy(require_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
         elif name == "independent":

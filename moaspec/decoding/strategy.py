@@ -1,4 +1,4 @@
-"""One decoding choice — plain, chain drafting or dynamic trees — behind one call.
+"""One decoding choice — plain, chain drafting, dynamic trees, prompt lookup — behind one call.
 
 The CLI, the server and the benchmarks all decode through :class:`Strategy`, so a
 setting means the same thing everywhere and each request gets its own caches and
@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
+from moaspec.decoding.lookup import LookupProposer
 from moaspec.decoding.speculative import DEFAULT_CHAIN, generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.decoding.vanilla import generate
+from moaspec.errors import MoaspecError
 
 if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
@@ -23,32 +25,49 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Strategy:
-    """Plain decoding when ``drafter`` is None; else chains of ``chain`` drafts, or ``tree``."""
+    """Chains of ``chain`` drafts from ``drafter``, or its ``tree``; with ``lookup`` > 0, up to that many
+    prompt-lookup drafts first (chains only), the drafter drafting where lookup finds nothing.
+    Plain decoding when there is neither drafter nor lookup."""
 
     drafter: Drafter | None = None
     chain: int = DEFAULT_CHAIN
     tree: TreeShape | None = None
+    lookup: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chain < 1:
+            raise MoaspecError(f"a chain needs at least one draft, got {self.chain}")
+        if self.lookup < 0:
+            raise MoaspecError(f"lookup drafts must be >= 0 (0 disables lookup), got {self.lookup}")
+        if self.lookup and self.tree is not None:
+            raise MoaspecError("prompt lookup drafts chains; it does not combine with a draft tree")
 
     def describe(self) -> str:
+        lookup = f"lookup({self.lookup})" if self.lookup else ""
         if self.drafter is None:
-            return "vanilla"
+            return lookup or "vanilla"
         kind = type(self.drafter).__name__.removesuffix("Drafter").lower()
         if self.tree is not None:
             return f"{kind}-tree(depth={self.tree.depth},top_k={self.tree.top_k},total={self.tree.total})"
-        return f"{kind}-chain({self.chain})"
+        return f"{kind}-chain({self.chain})" + (f"+{lookup}" if lookup else "")
 
     def run(self, target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
             on_text: TextCallback | None = None, on_piece: PieceCallback | None = None) -> GenerationResult:
         """Generate one assistant turn; ``on_piece`` gets (text, came-from-accepted-drafts)."""
         model, tok = target.model, target.tokenizer
-        if self.drafter is None:
+        if self.drafter is None and not self.lookup:
             if on_piece is not None:
                 piece = on_piece
                 on_text = lambda text: piece(text, False)  # noqa: E731
             return generate(model, tok, prompt_ids, config, on_text=on_text)
         from moaspec.drafters.proposers import proposer_for
 
-        proposer = proposer_for(self.drafter)
+        proposer = proposer_for(self.drafter) if self.drafter is not None else None
+        if self.lookup:
+            lookup = LookupProposer(model.cfg.vocab_size, proposer, drafter_len=self.chain)
+            return generate_chain(model, tok, lookup, prompt_ids, config, draft_len=max(self.chain, self.lookup),
+                                  on_text=on_text, on_piece=on_piece)
+        assert proposer is not None
         if self.tree is not None:
             return generate_tree(model, tok, proposer, prompt_ids, config, self.tree, on_text=on_text, on_piece=on_piece)
         return generate_chain(model, tok, proposer, prompt_ids, config, draft_len=self.chain,

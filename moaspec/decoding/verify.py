@@ -34,7 +34,7 @@ def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     return Verdict(k, int(best[k]))
 
 
-def verify_sampling(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+def verify_sampling(draft: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                     generator: torch.Generator | None) -> Verdict:
     """Speculative sampling for a chain (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -45,10 +45,14 @@ def verify_sampling(draft: torch.Tensor, draft_probs: torch.Tensor, target_probs
     whatever the drafter proposes. ``draft_probs`` ``[T, V]``, ``target_probs`` ``[T+1, V]``.
     """
     T = draft.shape[0]
+    if T == 0:  # nothing drafted (near the context's end, or lookup found nothing): a plain step
+        return Verdict(0, int(sample(target_probs[0], generator)))
+    if draft_probs is None:
+        raise ValueError("sampled drafts need the distributions they were drawn from")
     idx = torch.arange(T, device=draft.device)
     p = target_probs[idx, draft]
     q = draft_probs[idx, draft]
-    u = torch.rand(T, generator=generator, device=draft.device) if T else p
+    u = torch.rand(T, generator=generator, device=draft.device)
     ok = (q > 0) & (u * q <= p)  # u < p/q without dividing by zero
     miss = (~ok).nonzero()
     k = int(miss[0]) if miss.numel() else T

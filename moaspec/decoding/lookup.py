@@ -1,0 +1,100 @@
+"""Prompt lookup: draft by copying what followed the newest n-gram where it last occurred.
+
+Chat answers repeat their context: a summary quotes its source, code reuses names,
+a small model loops. Where the last few verified tokens occurred before, the tokens
+that followed them then are a free draft (Saxena's prompt lookup decoding, also in
+transformers as ``prompt_lookup_num_tokens``). It costs no model call, so it can run
+on its own or in front of a drafter, which then drafts only where lookup finds nothing.
+
+Lookup drafts are deterministic, so for sampling each is a point mass: speculative
+sampling accepts it with probability p(x) and otherwise resamples from p without x,
+which keeps the target's distribution (see :func:`moaspec.decoding.verify.verify_sampling`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moaspec.decoding.proposer import Proposal, Proposer
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.errors import MoaspecError
+from moaspec.models.kv_cache import KVCache
+
+
+class NgramIndex:
+    """Where each n-gram (``min_ngram``..``max_ngram`` tokens) of a growing sequence last occurred.
+
+    Only occurrences with at least one token after them are indexed, so the sequence's
+    own newest suffix is never its own match. Updating is incremental: a generation
+    indexes each token once, whatever its length.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise MoaspecError(f"lookup n-grams need 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram → index of the token that followed it
+        self._indexed = 0  # tokens[:_indexed] have had every n-gram ending before them recorded
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams followed by a token of ``tokens`` (which only ever grows)."""
+        if len(tokens) < self._indexed:
+            raise ValueError("the indexed sequence can only grow")
+        for nxt in range(max(self._indexed, 1), len(tokens)):
+            for n in range(self.min_ngram, min(self.max_ngram, nxt) + 1):
+                self._last[tuple(tokens[nxt - n : nxt])] = nxt
+        self._indexed = max(self._indexed, len(tokens))
+
+    def continuation(self, tokens: Sequence[int], count: int) -> list[int]:
+        """Up to ``count`` tokens that followed the longest suffix of ``tokens`` seen before (``[]``: none).
+
+        The copy may run into the suffix itself: then it continues with the tokens it
+        has just proposed, so a loop of period p is drafted in full, not p tokens only.
+        """
+        self.update(tokens)
+        for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
+            start = self._last.get(tuple(tokens[len(tokens) - n :]))
+            if start is None:
+                continue
+            out: list[int] = []
+            for i in range(start, start + count):
+                out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
+            return out
+        return []
+
+
+class LookupProposer:
+    """Prompt lookup drafts, with an optional drafter behind it for the cycles where lookup finds nothing.
+
+    ``drafter_len`` caps the drafter's chain (lookup may propose up to the loop's full
+    ``n``): a drafter pays per draft, lookup does not.
+    """
+
+    def __init__(self, vocab_size: int, drafter: Proposer | None = None, drafter_len: int = 0, max_ngram: int = 3,
+                 min_ngram: int = 1) -> None:
+        self.vocab_size = vocab_size  # the target's: sampled proposals carry a distribution over it
+        self.drafter = drafter
+        self.drafter_len = drafter_len
+        self.index = NgramIndex(max_ngram, min_ngram)
+
+    def begin(self, target_cache: KVCache, hidden: torch.Tensor) -> None:
+        if self.drafter is not None:
+            self.drafter.begin(target_cache, hidden)
+
+    def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        copied = self.index.continuation(tokens, n) if n > 0 else []
+        if copied:
+            draft = torch.tensor(copied, dtype=torch.long)
+            if sampling.greedy:
+                return Proposal(draft, None)
+            return Proposal(draft, torch.nn.functional.one_hot(draft, self.vocab_size).float())
+        if self.drafter is not None:
+            return self.drafter.propose(tokens, min(n, self.drafter_len), sampling, generator)
+        return Proposal(torch.zeros(0, dtype=torch.long), None)
+
+    def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+        if self.drafter is not None:
+            self.drafter.commit(verified, path, hidden)
