@@ -41,8 +41,9 @@ def _default_chain() -> int:
 
 def _add_lookup_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup", type=int, default=0, metavar="N",
-                   help="prompt lookup: up to N drafts copied from where the newest tokens occurred before, the "
-                        "drafter drafting only where nothing matches (chains only; with --no-draft, lookup alone)")
+                   help="prompt lookup: up to N drafts copied from where the newest tokens occurred before, before the "
+                        "drafter's chain (which drafts only where nothing matches) or grafted onto its tree; "
+                        "with --no-draft, lookup alone (default 0: off)")
 
 
 def _add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -202,15 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
     b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     b.add_argument("--methods", default="vanilla,moa,hf",
-                   help="comma list from vanilla, moa, moa-chain, moa-pld, pld, eagle2, independent, hf, hf-pld, hf-assisted")
+                   help="comma list from vanilla, moa, moa-chain, moa-pld, moa-chain-pld, pld, eagle2, independent, hf, hf-pld, hf-assisted")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
     b.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
     b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2")
     b.add_argument("--independent-drafter", default=None, help="independent drafter for independent and hf-assisted")
-    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain, moa-pld and independent")
-    b.add_argument("--lookup", type=int, default=10, help="prompt lookup drafts per target forward for pld, moa-pld and hf-pld")
+    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain, moa-chain-pld and independent")
+    b.add_argument("--lookup", type=int, default=10, help="prompt lookup drafts per target forward for pld, moa-pld, moa-chain-pld and hf-pld")
     _add_tree_options(b)
     b.add_argument("--no-progress", action="store_true")
     _add_model_options(b)

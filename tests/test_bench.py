@@ -35,7 +35,7 @@ def setup(tiny_llama, tmp_path: Path) -> dict[str, Path]:  # type: ignore[no-unt
     }
 
 
-ALL = ("vanilla", "moa", "moa-chain", "moa-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
+ALL = ("vanilla", "moa", "moa-chain", "moa-pld", "moa-chain-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
 
 
 def test_bench_writes_summary_answers_and_plots(tiny_dirs, setup, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -81,8 +81,59 @@ def test_sampled_lookup_runs_and_is_reproducible(tiny_llama) -> None:  # type: i
     assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 30
 
 
-def test_lookup_does_not_combine_with_a_tree(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+def test_a_tree_needs_a_drafter_for_lookup_to_graft_onto() -> None:
     from moaspec.decoding.tree import TreeShape
 
     with pytest.raises(MoaspecError, match="tree"):
-        Strategy(moa_proposer(tiny_llama).drafter, tree=TreeShape(), lookup=4)
+        Strategy(tree=TreeShape(), lookup=4)
+
+
+def test_grafting_follows_agreeing_nodes_and_branches_at_the_first_difference() -> None:
+    from moaspec.decoding.tree import DraftTree
+
+    # root 9 → 1 → 2, root 9 → 3
+    tree = DraftTree(torch.tensor([9, 1, 3, 2]), [-1, 0, 0, 1], torch.tensor([0, 1, 1, 2]))
+    grafted = tree.graft([1, 2, 5, 6])
+    assert grafted.tokens.tolist() == [9, 1, 3, 2, 5, 6]
+    assert grafted.parents == [-1, 0, 0, 1, 3, 4]
+    assert grafted.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    assert tree.graft([]).parents == tree.parents
+    other = tree.graft([4, 1])  # a new first token: a new branch from the root
+    assert other.parents[4:] == [0, 4] and other.tokens[4:].tolist() == [4, 1]
+
+
+class OracleIndex:
+    """Lookup that "finds" the target's true greedy continuation, wrong at every ``corrupt_every``-th token."""
+
+    def __init__(self, prompt: list[int], want: list[int], corrupt_every: int) -> None:
+        self.prompt, self.want, self.corrupt_every = prompt, want, corrupt_every
+
+    def continuation(self, tokens: list[int], count: int) -> list[int]:
+        done = len(tokens) - len(self.prompt)
+        out = self.want[done : done + count]
+        return [t + 1 if self.corrupt_every and (done + i) % self.corrupt_every == 0 else t for i, t in enumerate(out)]
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 4])
+def test_grafted_lookup_drafts_are_accepted_and_greedy_output_is_unchanged(tiny_llama, corrupt_every: int) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.decoding.tree import TreeShape, generate_tree
+
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for tli in (0, 1):
+        for prompt in PROMPTS:
+            want = generate(model, tok, prompt, cfg).token_ids
+            proposer = LookupProposer(tiny_llama.cfg.vocab_size, moa_proposer(tiny_llama, tli=tli), tree_lookup=6)
+            proposer.index = OracleIndex(prompt, want, corrupt_every)  # type: ignore[assignment]
+            got = generate_tree(model, tok, proposer, prompt, cfg, TreeShape(depth=2, top_k=2, total=4))
+            assert got.token_ids == want
+            assert max(got.accepted_lengths) == 7 if not corrupt_every else max(got.accepted_lengths) > 3
+
+
+def test_sampled_tree_with_lookup_runs_and_is_reproducible(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.decoding.tree import TreeShape
+
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=2))
+    strategy = Strategy(moa_proposer(tiny_llama).drafter, tree=TreeShape(depth=2, top_k=2, total=4), lookup=6)
+    runs = [strategy.run(tiny_llama, PROMPTS[2], cfg) for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 30

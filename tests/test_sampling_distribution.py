@@ -72,7 +72,8 @@ def exact_marginals(model: Transformer, params: SamplingParams) -> tuple[torch.T
 
 PLAIN, WARPED = SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
 CASES = [(m, p) for m in ("chain", "tree", "eagle-tree", "independent-chain") for p in (PLAIN, WARPED)]
-CASES += [("lookup-chain", PLAIN), ("moa-lookup-chain", WARPED)]  # lookup's point masses: one case each keeps CI short
+# lookup's point masses, alone, before a drafter's chain, grafted onto its tree: one case each keeps CI short
+CASES += [("lookup-chain", PLAIN), ("moa-lookup-chain", WARPED), ("moa-lookup-tree", PLAIN)]
 
 
 @pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{'plain' if p == PLAIN else 'warped'}" for m, p in CASES])
@@ -85,7 +86,10 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
     accepted = 0
     for seed in range(runs):
         cfg = GenerationConfig(max_new_tokens=3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
-        if method in ("lookup-chain", "moa-lookup-chain"):  # lookup drafts are point masses, mixed with the drafter's
+        if method == "moa-lookup-tree":
+            proposer = LookupProposer(V, proposers["moa"](), tree_lookup=3)
+            r = generate_tree(model, tok, proposer, PROMPT, cfg, TreeShape(depth=2, top_k=2, total=4))
+        elif method in ("lookup-chain", "moa-lookup-chain"):  # lookup drafts are point masses, mixed with the drafter's
             drafter = proposers["moa"]() if method == "moa-lookup-chain" else None
             r = generate_chain(model, tok, LookupProposer(V, drafter, drafter_len=2), PROMPT, cfg, draft_len=3)
         elif method.endswith("chain"):

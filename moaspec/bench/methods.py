@@ -30,7 +30,7 @@ from moaspec.errors import MoaspecError
 from moaspec.models.loading import LoadedModel
 
 Method = Callable[[Sequence[int], int], GenerationResult]
-KNOWN = ("vanilla", "moa", "moa-chain", "moa-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
+KNOWN = ("vanilla", "moa", "moa-chain", "moa-pld", "moa-chain-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
 
 
 @dataclass(frozen=True)
@@ -99,15 +99,15 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
     ``independent`` drafts chains (classic speculative decoding) of ``opts.chain``;
     ``hf-assisted`` hands the same independent drafter, converted to a transformers
     ``LlamaForCausalLM``, to ``generate`` as its ``assistant_model``. ``pld`` is prompt
-    lookup on this runtime (``hf-pld`` is transformers' own); ``moa-pld`` puts it in
-    front of MoA chains.
+    lookup on this runtime (``hf-pld`` is transformers' own); ``moa-pld`` grafts it onto
+    MoA's trees, ``moa-chain-pld`` puts it in front of MoA's chains.
     """
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN)}")
     methods: dict[str, Method] = {}
     moa = None
-    if {"moa", "moa-chain", "moa-pld"} & set(names):
+    if {"moa", "moa-chain", "moa-pld", "moa-chain-pld"} & set(names):
         path = opts.moa_drafter or shipped_drafter(target)
         if path is None:
             raise MoaspecError(f"no MoA drafter for {target.path.name}: pass --drafter")
@@ -124,6 +124,8 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
         elif name == "moa-chain":
             methods[name] = _ours(target, Strategy(moa, chain=opts.chain))
         elif name == "moa-pld":
+            methods[name] = _ours(target, Strategy(moa, tree=opts.tree, lookup=opts.pld_tokens))
+        elif name == "moa-chain-pld":
             methods[name] = _ours(target, Strategy(moa, chain=opts.chain, lookup=opts.pld_tokens))
         elif name == "pld":
             methods[name] = _ours(target, Strategy(lookup=opts.pld_tokens))

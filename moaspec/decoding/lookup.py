@@ -19,6 +19,7 @@ import torch
 
 from moaspec.decoding.proposer import Proposal, Proposer
 from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.tree import DraftTree, TreeShape
 from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 
@@ -68,18 +69,22 @@ class NgramIndex:
 class LookupProposer:
     """Prompt lookup drafts, with an optional drafter behind it for the cycles where lookup finds nothing.
 
-    ``drafter_len`` caps the drafter's chain (lookup may propose up to the loop's full
-    ``n``): a drafter pays per draft, lookup does not.
+    Chains: ``drafter_len`` caps the drafter's chain (lookup may propose up to the
+    loop's full ``n``): a drafter pays per draft, lookup does not. Trees: the drafter
+    grows its tree as usual and up to ``tree_lookup`` lookup drafts are grafted onto it.
     """
 
-    def __init__(self, vocab_size: int, drafter: Proposer | None = None, drafter_len: int = 0, max_ngram: int = 3,
-                 min_ngram: int = 1) -> None:
+    def __init__(self, vocab_size: int, drafter: Proposer | None = None, drafter_len: int = 0, tree_lookup: int = 0,
+                 max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.vocab_size = vocab_size  # the target's: sampled proposals carry a distribution over it
         self.drafter = drafter
         self.drafter_len = drafter_len
+        self.tree_lookup = tree_lookup
+        self.cache: KVCache | None = None
         self.index = NgramIndex(max_ngram, min_ngram)
 
     def begin(self, target_cache: KVCache, hidden: torch.Tensor) -> None:
+        self.cache = target_cache
         if self.drafter is not None:
             self.drafter.begin(target_cache, hidden)
 
@@ -94,6 +99,14 @@ class LookupProposer:
         if self.drafter is not None:
             return self.drafter.propose(tokens, min(n, self.drafter_len), sampling, generator)
         return Proposal(torch.zeros(0, dtype=torch.long), None)
+
+    def propose_tree(self, tokens: Sequence[int], shape: TreeShape) -> DraftTree:
+        """The drafter's tree with the lookup drafts grafted below its root, as far as the cache has room."""
+        if self.drafter is None or self.cache is None:
+            raise ValueError("lookup adds to a drafter's tree: give it a drafter, and call begin() first")
+        tree = self.drafter.propose_tree(tokens, shape)  # type: ignore[attr-defined]
+        room = self.cache.capacity - self.cache.length - len(tree.parents)
+        return tree.graft(self.index.continuation(tokens, min(self.tree_lookup, room)) if room > 0 else [])
 
     def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         if self.drafter is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
 from moaspec.decoding.lookup import LookupProposer
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Strategy:
     """Chains of ``chain`` drafts from ``drafter``, or its ``tree``; with ``lookup`` > 0, up to that many
-    prompt-lookup drafts first (chains only), the drafter drafting where lookup finds nothing.
-    Plain decoding when there is neither drafter nor lookup."""
+    prompt-lookup drafts too (before a chain's drafter, grafted onto a tree). Plain decoding
+    when there is neither drafter nor lookup."""
 
     drafter: Drafter | None = None
     chain: int = DEFAULT_CHAIN
@@ -39,17 +39,17 @@ class Strategy:
             raise MoaspecError(f"a chain needs at least one draft, got {self.chain}")
         if self.lookup < 0:
             raise MoaspecError(f"lookup drafts must be >= 0 (0 disables lookup), got {self.lookup}")
-        if self.lookup and self.tree is not None:
-            raise MoaspecError("prompt lookup drafts chains; it does not combine with a draft tree")
+        if self.lookup and self.tree is not None and self.drafter is None:
+            raise MoaspecError("prompt lookup adds to a drafter's tree; without a drafter it drafts chains")
 
     def describe(self) -> str:
-        lookup = f"lookup({self.lookup})" if self.lookup else ""
+        lookup = f"+lookup({self.lookup})" if self.lookup else ""
         if self.drafter is None:
-            return lookup or "vanilla"
+            return lookup[1:] or "vanilla"
         kind = type(self.drafter).__name__.removesuffix("Drafter").lower()
         if self.tree is not None:
-            return f"{kind}-tree(depth={self.tree.depth},top_k={self.tree.top_k},total={self.tree.total})"
-        return f"{kind}-chain({self.chain})" + (f"+{lookup}" if lookup else "")
+            return f"{kind}-tree(depth={self.tree.depth},top_k={self.tree.top_k},total={self.tree.total})" + lookup
+        return f"{kind}-chain({self.chain})" + lookup
 
     def run(self, target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
             on_text: TextCallback | None = None, on_piece: PieceCallback | None = None) -> GenerationResult:
@@ -62,13 +62,10 @@ class Strategy:
             return generate(model, tok, prompt_ids, config, on_text=on_text)
         from moaspec.drafters.proposers import proposer_for
 
-        proposer = proposer_for(self.drafter) if self.drafter is not None else None
+        proposer: Any = proposer_for(self.drafter) if self.drafter is not None else None
         if self.lookup:
-            lookup = LookupProposer(model.cfg.vocab_size, proposer, drafter_len=self.chain)
-            return generate_chain(model, tok, lookup, prompt_ids, config, draft_len=max(self.chain, self.lookup),
-                                  on_text=on_text, on_piece=on_piece)
-        assert proposer is not None
+            proposer = LookupProposer(model.cfg.vocab_size, proposer, drafter_len=self.chain, tree_lookup=self.lookup)
         if self.tree is not None:
             return generate_tree(model, tok, proposer, prompt_ids, config, self.tree, on_text=on_text, on_piece=on_piece)
-        return generate_chain(model, tok, proposer, prompt_ids, config, draft_len=self.chain,
+        return generate_chain(model, tok, proposer, prompt_ids, config, draft_len=max(self.chain, self.lookup),
                               on_text=on_text, on_piece=on_piece)

@@ -51,6 +51,26 @@ class DraftTree:
     parents: list[int]  # parent index per node, -1 for the root
     depths: torch.Tensor  # [N], 0 for the root
 
+    def graft(self, chain: Sequence[int]) -> DraftTree:
+        """This tree with ``chain`` hung below the root (prompt lookup's drafts).
+
+        The chain follows existing nodes while their tokens agree and branches off at
+        the first difference, so no node gets two children with one token. New nodes
+        come after the old ones (parents still before children); old indices stay.
+        """
+        tokens, parents, depths = self.tokens.tolist(), list(self.parents), self.depths.tolist()
+        children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
+        node = 0
+        for t in chain:
+            nxt = children.get((node, t))
+            if nxt is None:
+                tokens.append(t)
+                parents.append(node)
+                depths.append(depths[node] + 1)
+                nxt = children[(node, t)] = len(tokens) - 1
+            node = nxt
+        return DraftTree(torch.tensor(tokens, dtype=torch.long), parents, torch.tensor(depths, dtype=torch.long))
+
     def ancestors(self) -> torch.Tensor:
         """``[N, N]`` bool: ``[i, j]`` when node j is node i or one of its ancestors."""
         n = len(self.parents)
