@@ -40,10 +40,12 @@ def _default_chain() -> int:
 
 
 def _add_lookup_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lookup", type=int, default=0, metavar="N",
+    from moaspec.decoding.lookup import DEFAULT_LOOKUP
+
+    p.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="prompt lookup: up to N drafts copied from where the newest tokens occurred before, before the "
                         "drafter's chain (which drafts only where nothing matches) or grafted onto its tree; "
-                        "with --no-draft, lookup alone (default 0: off)")
+                        f"0: off (default {DEFAULT_LOOKUP}; with --no-draft 0, and N > 0 runs lookup alone)")
 
 
 def _add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -281,23 +283,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
     """The decoding the options ask for: the given or shipped drafter, chain or tree, prompt lookup; or none."""
+    from moaspec.decoding.lookup import DEFAULT_LOOKUP
     from moaspec.decoding.strategy import Strategy
     from moaspec.decoding.tree import TreeShape
     from moaspec.drafters import load_drafter, shipped_drafter
 
-    if args.lookup < 0:
+    lookup = args.lookup if args.lookup is not None else (0 if args.no_draft else DEFAULT_LOOKUP)
+    if lookup < 0:
         raise MoaspecError("--lookup must be >= 0 (0: off)")
     if args.no_draft:
-        return Strategy(lookup=args.lookup)
+        return Strategy(lookup=lookup)
     if args.chain < 1:
         raise MoaspecError("--chain must be >= 1")
     path = args.drafter or shipped_drafter(loaded)
     if path is None:
-        print(f"moaspec: no drafter ships for {loaded.path.name}; decoding without drafts "
+        how = f"prompt lookup alone (--lookup {lookup})" if lookup else "plain decoding"
+        print(f"moaspec: no drafter ships for {loaded.path.name}; decoding with {how} "
               "(train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
-        return Strategy(lookup=args.lookup)
+        return Strategy(lookup=lookup)
     tree = TreeShape(args.tree_depth, args.tree_top_k, args.tree_total) if args.tree else None
-    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=tree, lookup=args.lookup)
+    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=tree, lookup=lookup)
 
 
 def cmd_data(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Losslessness on the real default target with the shipped drafter: chain and tree equal vanilla greedy.
+"""Losslessness on the real default target with the shipped drafter: chain and tree, with and without prompt
+lookup, equal vanilla greedy.
 
 Every first turn of SpecBench's first ``MOASPEC_LOSSLESS_PER_FILE`` questions per
 category (default 5: 30 prompts, as CI runs it; 40 runs all 240), 64 new tokens each.
@@ -18,7 +19,9 @@ import pytest
 
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.speculative import generate_chain
+from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.proposers import MoAProposer
@@ -76,10 +79,13 @@ def test_greedy_chain_and_tree_equal_vanilla_on_specbench(real_model, drafter) -
         chain = generate_chain(real_model.model, real_model.tokenizer, MoAProposer(drafter), ids, cfg, draft_len=6)
         tree = generate_tree(real_model.model, real_model.tokenizer, MoAProposer(drafter), ids, cfg, TreeShape())
         accepted += sum(chain.accepted_lengths) - chain.target_calls
-        if chain.token_ids != want:
-            mismatches.append(("chain", name))
-        if tree.token_ids != want:
-            mismatches.append(("tree", name))
+        with_lookup = {  # the main job's default (prompt lookup before chains of 2), and lookup grafted onto the tree
+            "chain+lookup": Strategy(drafter, lookup=DEFAULT_LOOKUP).run(real_model, ids, cfg).token_ids,
+            "tree+lookup": Strategy(drafter, tree=TreeShape(), lookup=DEFAULT_LOOKUP).run(real_model, ids, cfg).token_ids,
+        }
+        for method, got in [("chain", chain.token_ids), ("tree", tree.token_ids), *with_lookup.items()]:
+            if got != want:
+                mismatches.append((method, name))
     assert not mismatches
     assert accepted > 0
 

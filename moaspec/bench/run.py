@@ -115,12 +115,13 @@ def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[
 def table(summary: dict[str, Any]) -> str:
     res = summary["results"]
     cats = list(next(iter(res.values())))
-    lines = [f"{'method':<13}{'category':<12}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'calls':>7}{'tokens':>8}{'mismatch':>9}"]
+    w = max(13, max(len(m) for m in res) + 1)
+    lines = [f"{'method':<{w}}{'category':<12}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'calls':>7}{'tokens':>8}{'mismatch':>9}"]
     for m, per in res.items():
         for c in cats:
             r = per[c]
             sp = f"{r['speedup']:.2f}" if r.get("speedup") is not None else "-"
             mm = "-" if r["greedy_mismatches"] is None else str(r["greedy_mismatches"])
-            lines.append(f"{m:<13}{c:<12}{r['tokens_per_s']:>8.1f}{sp:>9}{r['tau']:>7.2f}{r['target_calls']:>7}"
+            lines.append(f"{m:<{w}}{c:<12}{r['tokens_per_s']:>8.1f}{sp:>9}{r['tau']:>7.2f}{r['target_calls']:>7}"
                          f"{r['new_tokens']:>8}{mm:>9}")
     return "\n".join(lines)
