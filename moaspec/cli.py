@@ -39,13 +39,17 @@ def _default_chain() -> int:
     return DEFAULT_CHAIN
 
 
-def _add_lookup_option(p: argparse.ArgumentParser) -> None:
+def _default_lookup() -> int:
     from moaspec.decoding.lookup import DEFAULT_LOOKUP
 
+    return DEFAULT_LOOKUP
+
+
+def _add_lookup_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="prompt lookup: up to N drafts copied from where the newest tokens occurred before, before the "
                         "drafter's chain (which drafts only where nothing matches) or grafted onto its tree; "
-                        f"0: off (default {DEFAULT_LOOKUP}; with --no-draft 0, and N > 0 runs lookup alone)")
+                        f"0: off (default {_default_lookup()}; with --no-draft 0, and N > 0 runs lookup alone)")
 
 
 def _add_tree_options(p: argparse.ArgumentParser) -> None:
@@ -213,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2")
     b.add_argument("--independent-drafter", default=None, help="independent drafter for independent and hf-assisted")
     b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain, moa-chain-pld and independent")
-    b.add_argument("--lookup", type=int, default=10, help="prompt lookup drafts per target forward for pld, moa-pld, moa-chain-pld and hf-pld")
+    b.add_argument("--lookup", type=int, default=_default_lookup(),
+                   help="prompt lookup drafts per target forward for pld, moa-pld, moa-chain-pld and hf-pld")
     _add_tree_options(b)
     b.add_argument("--no-progress", action="store_true")
     _add_model_options(b)
@@ -283,12 +288,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
     """The decoding the options ask for: the given or shipped drafter, chain or tree, prompt lookup; or none."""
-    from moaspec.decoding.lookup import DEFAULT_LOOKUP
     from moaspec.decoding.strategy import Strategy
     from moaspec.decoding.tree import TreeShape
     from moaspec.drafters import load_drafter, shipped_drafter
 
-    lookup = args.lookup if args.lookup is not None else (0 if args.no_draft else DEFAULT_LOOKUP)
+    lookup = args.lookup if args.lookup is not None else (0 if args.no_draft else _default_lookup())
     if lookup < 0:
         raise MoaspecError("--lookup must be >= 0 (0: off)")
     if args.no_draft:

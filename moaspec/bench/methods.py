@@ -17,6 +17,7 @@ import torch
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationResult
+from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.speculative import DEFAULT_CHAIN
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
@@ -40,7 +41,7 @@ class MethodOptions:
     independent_drafter: str | None = None
     tree: TreeShape = TreeShape()
     chain: int = DEFAULT_CHAIN
-    pld_tokens: int = 10  # prompt lookup drafts per target forward (pld, moa-pld, hf-pld)
+    pld_tokens: int = DEFAULT_LOOKUP  # prompt lookup drafts per target forward (pld, moa-pld, moa-chain-pld, hf-pld)
 
 
 def _ours(target: LoadedModel, strategy: Strategy) -> Method:
