@@ -186,8 +186,8 @@ class DrafterProposer:
         if path is not None:
             # fed nodes form a prefix of the path: a node is only fed if its parent was; nodes grafted
             # onto the tree after it was grown (prompt lookup's) come last and were never fed
-            slots = self._slots + [None] * (max(path, default=0) + 1 - len(self._slots))
-            keep = [slots[0]] + [s for s in (slots[i] for i in path) if s is not None]
+            fed = (self._slots[i] for i in path if i < len(self._slots))
+            keep = [self._slots[0]] + [s for s in fed if s is not None]
         self._rollback(verified, keep, hidden)
 
 
