@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--drafter", default=None, help="MoA (N = 0), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     c.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
                    help=f"drafts per verification (default {_default_chain()}, as for generate)")
+    c.add_argument("--lookup", type=int, default=_default_lookup(), metavar="N",
+                   help="prompt lookup: send up to N drafts copied from where the newest tokens occurred before, and "
+                        f"the drafter's chain only where nothing matches; 0: off (default {_default_lookup()}). "
+                        "Offline, the drafter alone writes")
     c.add_argument("--state-format", choices=("fp16", "int8"), default="fp16", help="how the server sends each verified token's state (default fp16)")
     c.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as lost (default 10)")
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
@@ -191,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     bc.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     bc.add_argument("--profiles", default="lan,4g,5g", help="comma list from lan, 4g, 5g, none (default lan,4g,5g)")
-    bc.add_argument("--methods", default="moa,api", help="comma list from moa, eagle2, independent, api")
+    bc.add_argument("--methods", default="moa,api", help="comma list from moa, moa-pld, eagle2, independent, api")
+    bc.add_argument("--lookup", type=int, default=_default_lookup(), metavar="N",
+                    help=f"prompt lookup drafts per verification for moa-pld (default {_default_lookup()})")
     bc.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (`moaspec train --kind eagle`)")
     bc.add_argument("--independent-drafter", default=None,
                     help="independent drafter for independent (`moaspec train --kind independent`)")
@@ -452,8 +458,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if prompt is None or not prompt.strip():
         raise PromptError("the prompt is empty")
-    if args.chain < 1 or args.max_new_tokens < 1 or args.timeout <= 0 or args.retries < 0:
-        raise MoaspecError("--chain and --max-new-tokens must be >= 1, --timeout > 0, --retries >= 0")
+    if args.chain < 1 or args.max_new_tokens < 1 or args.timeout <= 0 or args.retries < 0 or args.lookup < 0:
+        raise MoaspecError("--chain and --max-new-tokens must be >= 1, --timeout > 0, --retries and --lookup >= 0")
     proxy, cut_after = None, None
     if args.network:
         from urllib.parse import urlsplit
@@ -507,7 +513,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     gen = SplitGeneration(drafter, loaded.tokenizer, remote, stop_token_ids(loaded.model, loaded.tokenizer),
                           draft_len=args.chain, fmt=args.state_format, max_draft=int(info["max_draft"]),
-                          on_piece=piece, on_event=None if args.json else event)
+                          lookup=args.lookup, on_piece=piece, on_event=None if args.json else event)
     ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     try:
@@ -583,8 +589,10 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     if not names or bad:
         raise MoaspecError(f"--profiles takes a comma list from {', '.join(PROFILES)}" + (f"; not {', '.join(bad)}" if bad else ""))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.max_new_tokens < 1 or args.chain < 1 or args.disconnect_after < 0 or args.continue_tokens < 1:
-        raise MoaspecError("--max-new-tokens, --chain and --continue-tokens must be >= 1, --disconnect-after >= 0")
+    if (args.max_new_tokens < 1 or args.chain < 1 or args.disconnect_after < 0 or args.continue_tokens < 1
+            or args.lookup < 1):
+        raise MoaspecError("--max-new-tokens, --chain, --lookup and --continue-tokens must be >= 1, "
+                           "--disconnect-after >= 0")
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = _load(args)
     path = args.drafter or shipped_drafter(loaded)
@@ -596,7 +604,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
         if method in methods:
             drafters[method] = require_drafter(where, kind, method, loaded)
     summary = run_bench_cs(loaded, drafters, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
-                           Path(args.output), chain=args.chain, fmt=args.state_format,
+                           Path(args.output), chain=args.chain, lookup=args.lookup, fmt=args.state_format,
                            disconnect_after=args.disconnect_after, continue_tokens=args.continue_tokens, port=args.port,
                            model_spec=args.model, drafter_path=str(path), progress=not args.no_progress)
     print(table(summary))

@@ -108,6 +108,15 @@ def test_split_greedy_equals_the_targets_greedy(tiny_llama, drafter, server, fmt
         + (0 if fmt == "fp16" else (len(PROMPT) + sum(result.accepted_lengths)) * 2)
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_prompt_lookup_copies_are_sent_and_greedy_output_is_unchanged(tiny_llama, drafter, server, pipeline) -> None:  # type: ignore[no-untyped-def]
+    plain = split(tiny_llama, drafter, server, 60, draft_len=1, pipeline=pipeline)
+    copied = split(tiny_llama, drafter, server, 60, draft_len=1, pipeline=pipeline, lookup=6)
+    assert copied.token_ids == plain.token_ids == vanilla(tiny_llama, 60)
+    # the drafter sends one draft, so more than two tokens per verification means a copy was accepted
+    assert max(copied.accepted_lengths) > 2 and copied.server_calls < plain.server_calls
+
+
 def test_the_memory_from_the_server_is_what_the_drafter_computes_locally(tiny_llama, drafter, server) -> None:  # type: ignore[no-untyped-def]
     remote = RemoteTarget(server, KEY)
     answer = remote.open(PROMPT, "moa", "fp16", 8)
@@ -148,8 +157,8 @@ def test_the_client_keeps_generating_alone_when_the_link_dies(tiny_llama, drafte
     assert any("unreachable" in e for e in events)
 
 
-@pytest.mark.parametrize("expire", [False, True])
-def test_generation_is_lossless_again_once_the_server_is_back(tiny_llama, drafter, expire) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("expire, lookup", [(False, 0), (True, 0), (False, 4)])
+def test_generation_is_lossless_again_once_the_server_is_back(tiny_llama, drafter, expire, lookup) -> None:  # type: ignore[no-untyped-def]
     with running(make_app(tiny_llama, drafter, ttl_s=0.3 if expire else 300)) as url:
         proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
         try:
@@ -158,7 +167,7 @@ def test_generation_is_lossless_again_once_the_server_is_back(tiny_llama, drafte
                 if expire and kind == "unverified":
                     time.sleep(0.2)  # long enough offline for the session to expire
             events: list[str] = []
-            result = split(tiny_llama, drafter, proxy.url, 40, draft_len=3, timeout=2.0, retry_every=2,
+            result = split(tiny_llama, drafter, proxy.url, 40, draft_len=3, timeout=2.0, retry_every=2, lookup=lookup,
                            on_piece=slow_restore, on_event=events.append)
         finally:
             proxy.stop()
@@ -311,6 +320,10 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         assert main([*args, "--drafter", str(path), "--network", "lan+offline-after:4", "--json", "The quick brown fox"]) == 0
         cut = jsonlib.loads(capsys.readouterr().out)
         assert cut["unverified"] > 0 and cut["new_tokens"] == 12 and cut["offline_tokens"] >= cut["unverified"]
+        assert main([*args, "--drafter", str(path), "--lookup", "0", "--json", "The quick brown fox"]) == 0
+        assert jsonlib.loads(capsys.readouterr().out)["text"] == out["text"]  # lookup on (the default) or off
+        assert main([*args, "--drafter", str(path), "--lookup", "-1", "hi"]) == 2
+        assert "--lookup" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--network", "3g", "hi"]) == 2
         assert "unknown network profile" in capsys.readouterr().err
         assert main([*args, "--drafter", str(other), "hi"]) == 2
@@ -342,11 +355,13 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     args = ["bench-cs", "--questions", str(tmp_path / "q.jsonl"), "--model", str(tiny_dirs["llama"]), "--drafter", str(path),
             "--profiles", "lan,5g", "--max-new-tokens", "8", "--disconnect-after", "3", "--continue-tokens", "4",
             "--port", str(port), "--output", str(tmp_path / "out"), "--no-progress"]
-    assert main([*args, "--methods", "moa,independent,api", "--independent-drafter", str(independent)]) == 0
+    assert main([*args, "--methods", "moa,moa-pld,independent,api", "--independent-drafter", str(independent),
+                 "--lookup", "4"]) == 0
     summary = jsonlib.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["disconnect"]["independent"]["chain"]["perplexity"] > 1
+    assert "moa-pld" not in summary["disconnect"] and summary["setup"]["lookup"] == 4  # offline, moa-pld is moa
     for profile in ("lan", "5g"):
-        for method in ("moa", "independent", "api"):
+        for method in ("moa", "moa-pld", "independent", "api"):
             row = summary["profiles"][profile][method]
             assert row["new_tokens"] > 0 and row["tokens_per_s"] > 0 and row["bytes_per_token"] > 0
             assert row["server_calls_per_100_tokens"] > 0 and row["ttft_s"] > 0
@@ -357,6 +372,8 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     assert main([*args[:-3], "--methods", "independent", "--independent-drafter", str(path), "--output", str(tmp_path / "o4")]) == 2
     assert "not a drafter of the kind independent needs" in capsys.readouterr().err
     assert main([*args[:-3], "--profiles", "3g", "--output", str(tmp_path / "o3")]) == 2
+    assert main([*args[:-3], "--lookup", "0", "--output", str(tmp_path / "o5")]) == 2
+    assert "--lookup" in capsys.readouterr().err
 
 
 def test_a_failed_prefill_frees_its_place(tiny_llama, drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -40,6 +40,16 @@ def test_growing_the_index_matches_building_it_at_once() -> None:
         grown.update(seq[:10])
 
 
+def test_matching_an_unsettled_tail_does_not_index_it() -> None:
+    index = NgramIndex()
+    index.update([1, 2, 3, 1])  # settled
+    assert index.match([1, 2, 3, 1, 2], 3) == [3, 1, 2]  # the tail "2" is looked up, not recorded
+    assert index.match([1, 2, 3, 1, 9], 2) == []  # so a different tail leaves no trace of the first
+    assert index.continuation([1, 2, 3, 1, 9], 2) == []
+    with pytest.raises(ValueError):
+        index.match([1, 2], 2)  # shorter than what is indexed: not its prefix
+
+
 def test_bad_ngram_bounds_are_refused() -> None:
     with pytest.raises(MoaspecError):
         NgramIndex(max_ngram=2, min_ngram=3)

@@ -7,6 +7,7 @@ is pinned to one and the client to another, so that they never share a CPU.
 
 Methods:
   ``moa``     the MoA drafter on the client, the target on the server (``/cs/v1``), greedy
+  ``moa-pld`` the same, with prompt lookup's copies sent instead of the drafter's chain where they exist
   ``eagle2``  an EAGLE drafter on the client, fed the target's hidden states by the server
   ``independent``  an independent small model on the client (classic speculative decoding): no state travels
   ``api``     the server decodes alone and streams tokens (``/v1/chat/completions``)
@@ -14,7 +15,8 @@ Drafting is in chains on both drafter methods (trees do not cross the network ye
 
 Per profile and method, ``summary.json`` holds ``tokens_per_s``, ``ttft_s``,
 ``server_calls_per_100_tokens`` and ``bytes_per_token`` (request and response bodies).
-The ``disconnect`` section cuts the link once K tokens are verified, lets the client
+The ``disconnect`` section (per drafter: moa-pld's client writes alone exactly as moa's
+does) cuts the link once K tokens are verified, lets the client
 continue alone for C tokens, and scores that continuation by its perplexity under the
 target and by the length of its exact match with the target's own greedy continuation.
 """
@@ -47,7 +49,8 @@ from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.specbench import Question
 
-METHODS = ("moa", "eagle2", "independent", "api")
+METHODS = ("moa", "moa-pld", "eagle2", "independent", "api")
+LOOKUP_METHODS = {"moa-pld": "moa"}  # method → the drafter method it adds prompt lookup to
 
 
 class ServerProcess:
@@ -99,10 +102,10 @@ def _api(url: str, prompt: str, max_new: int) -> dict[str, Any]:
 
 
 def _split(target: LoadedModel, drafter: Drafter, url: str, ids: Sequence[int], max_new: int, chain: int,
-         fmt: str) -> dict[str, Any]:
+           fmt: str, lookup: int = 0) -> dict[str, Any]:
     remote = RemoteTarget(url, timeout=30)
     gen = SplitGeneration(drafter, target.tokenizer, remote, stop_token_ids(target.model, target.tokenizer),
-                          draft_len=chain, fmt=fmt)
+                          draft_len=chain, fmt=fmt, lookup=lookup)
     r = gen.run(ids, GenerationConfig(max_new_tokens=max_new), target.cfg.max_position_embeddings)
     remote.shutdown()
     return {"tokens": len(r.token_ids), "total_s": r.total_s, "ttft_s": r.ttft_s, "server_calls": r.server_calls,
@@ -156,14 +159,20 @@ def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int]
 
 
 def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: list[Question], profiles: list[Profile],
-                 methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, fmt: str = "fp16",
+                 methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, lookup: int = 10,
+                 fmt: str = "fp16",
                  disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
                  model_spec: str | None = None, drafter_path: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """``drafters`` maps each drafter method (moa, eagle2, independent) to its drafter; api is server-side."""
+    """``drafters`` maps each drafter method (moa, eagle2, independent) to its drafter; api is server-side.
+
+    ``lookup`` is the most prompt-lookup drafts per verification of the ``-pld`` methods.
+    """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)} for bench-cs; available: {', '.join(METHODS)}")
-    drafters = {m: d for m, d in drafters.items() if m in methods}
+    clients = {m: (drafters[LOOKUP_METHODS.get(m, m)], lookup if m in LOOKUP_METHODS else 0)
+               for m in methods if m != "api"}  # method → (its drafter, its lookup)
+    drafters = {m: d for m, d in drafters.items() if m in {LOOKUP_METHODS.get(c, c) for c in clients}}
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
     server = ServerProcess(port, model_spec, drafter_path, cores[1] if pinned else None)
@@ -174,13 +183,14 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     prompts = [(q, encode_chat(target.tokenizer, chat_messages(q.turns[0]))) for q in questions]
     summary: dict[str, Any] = {"profiles": {}, "disconnect": {}, "setup": {
         "questions": len(questions), "max_new_tokens": max_new, "chain": chain, "state_format": fmt,
+        **({"lookup": lookup} if set(methods) & set(LOOKUP_METHODS) else {}),
         "pinned": f"client on core {cores[0]}, server on core {cores[1]}" if pinned else "not pinned (one core)",
         "profiles": {p.name: p.describe() for p in profiles}}}
     output.mkdir(parents=True, exist_ok=True)
     try:
         # warm both ends (first-call allocations) before timing anything
-        for d in drafters.values():
-            _split(target, d, server.url, prompts[0][1], 8, chain, fmt)
+        for d, n in clients.values():
+            _split(target, d, server.url, prompts[0][1], 8, chain, fmt, n)
         _api(server.url, questions[0].turns[0], 8)
         bar = tqdm(total=len(profiles) * len(methods) * len(prompts), disable=not progress, desc="bench-cs")
         for profile in profiles:
@@ -189,8 +199,11 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
             try:
                 for q, ids in prompts:
                     for m in methods:  # back to back per question, so drift hits both alike
-                        row = (_split(target, drafters[m], proxy.url, ids, max_new, chain, fmt) if m in drafters
-                               else _api(proxy.url, q.turns[0], max_new))
+                        if m in clients:
+                            drafter, n = clients[m]
+                            row = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n)
+                        else:
+                            row = _api(proxy.url, q.turns[0], max_new)
                         row.pop("token_ids", None)
                         rows[m].append(row)
                         bar.update()

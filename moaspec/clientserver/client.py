@@ -5,11 +5,17 @@
     repeat: draft a chain locally → the server verifies it in one target forward → keep
             the accepted drafts and the target's token, add the new memory entries
 
+With ``lookup`` on, a chain copied by prompt lookup (:mod:`moaspec.decoding.lookup`)
+goes out instead of the drafter's wherever the newest tokens occurred before: it costs
+the client nothing and is often longer than the drafter's chain would be accepted.
+
 When the server cannot be reached the client keeps generating alone: its drafts are
 kept as *unverified* tokens (shown apart), the memory stops growing, and drafting goes
 on T steps past the last verified state. Once the server answers again, the
 unverified tail is sent for verification in pieces; generation continues from the
 first disagreement, so the final text is again exactly the target's greedy output.
+Offline, only the drafter writes: a lookup copy is a guess that needs verifying, and
+copying loops is what an unverified text must not do.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from moaspec.clientserver import codec
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationConfig, TokenSink
+from moaspec.decoding.lookup import NgramIndex
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN
 from moaspec.drafters.base import Drafter
@@ -236,7 +243,7 @@ class SplitGeneration:
     """One generation with a local MoA drafter and a remote target (greedy)."""
 
     def __init__(self, drafter: Drafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = DEFAULT_CHAIN,
-                 fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8, pipeline: bool = True,
+                 fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8, pipeline: bool = True, lookup: int = 0,
                  on_piece: Callable[[str, PieceKind], None] | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:
         split_proposer(drafter)  # refuse an unsupported drafter now rather than mid-generation
@@ -244,6 +251,7 @@ class SplitGeneration:
         self.eos, self.draft_len, self.fmt, self.max_draft, self.retry_every = eos, draft_len, fmt, max_draft, retry_every
         self.on_piece, self.on_event = on_piece, on_event
         self.pipeline = pipeline
+        self.lookup = min(lookup, max_draft)  # most drafts per prompt-lookup copy (0: the drafter alone)
         self.state_bytes = 0
         self.pipeline_hits = 0  # verifications whose next drafts were ready when the answer came
 
@@ -285,6 +293,7 @@ class SplitGeneration:
         self.proposer = split_proposer(self.drafter)
         self.view = _View(len(prompt_ids), min(context, len(prompt_ids) + budget + self.max_draft + 2))
         self.proposer.begin(self.view)  # type: ignore[arg-type]
+        self.index = NgramIndex()
         try:
             first = self._open(prompt_ids, budget)
         except ServerUnreachable as exc:
@@ -300,11 +309,11 @@ class SplitGeneration:
         while not sink.done:
             if offline is None:
                 if drafts is None:
-                    drafts = self._draft(self._room(self.draft_len, 0))
+                    drafts = self._next_drafts([])
                 in_flight = self._pool.submit(self.remote.verify, self.session, self.verified, drafts)
                 # pipelining: while the server verifies, draft on as if it accepts every draft;
                 # the first of these guesses the target's own token after them
-                ahead = self._draft_after(drafts, self._room(self.draft_len + 1, len(drafts) + 1)) if self.pipeline else []
+                ahead = self._next_drafts(drafts) if self.pipeline else []
                 try:
                     answer = in_flight.result()
                 except ServerUnreachable as exc:
@@ -360,16 +369,28 @@ class SplitGeneration:
         left = self.sink.budget - len(self.sink.tokens) - ahead
         return max(0, min(n, left, self.view.capacity - len(self.tokens) - ahead - 1))
 
-    def _draft_after(self, drafts: list[int], n: int) -> list[int]:
-        """``n`` drafts continuing ``drafts`` (which are not verified yet)."""
+    def _next_drafts(self, in_flight: list[int]) -> list[int]:
+        """The drafts to send next, continuing ``in_flight`` (drafts sent but not verified yet).
+
+        After drafts in flight, one more is drafted: it guesses the target's own token.
+        A prompt-lookup copy goes first where one is found, the drafter's chain otherwise.
+        """
+        guess = 1 if in_flight else 0
+        if self.lookup:
+            self.index.update(self.tokens[: self.verified])  # only verified tokens are indexed: they never change
+            n = self._room(self.lookup + guess, len(in_flight) + guess)
+            copied = self.index.match(self.tokens + in_flight, n) if n > 0 else []
+            if copied:
+                return copied
+        return self._draft(self._room(self.draft_len + guess, len(in_flight) + guess), in_flight)
+
+    def _draft(self, n: int, after: list[int] | None = None) -> list[int]:
+        """``n`` drafts by the drafter, continuing the tokens and then ``after`` (drafts not verified yet)."""
         if n <= 0:
             return []
-        self.view.length = len(self.tokens) + len(drafts) - 1
-        return self.proposer.propose(self.tokens + drafts, n, GREEDY, None).tokens.tolist()
-
-    def _draft(self, n: int) -> list[int]:
-        self.view.length = len(self.tokens) - 1
-        return self.proposer.propose(self.tokens, n, GREEDY, None).tokens.tolist()
+        tokens = self.tokens + (after or [])
+        self.view.length = len(tokens) - 1
+        return self.proposer.propose(tokens, n, GREEDY, None).tokens.tolist()
 
     def _settle(self, chunk: list[int], answer: dict[str, Any]) -> None:
         """The server verified ``chunk`` (the drafts after the verified tokens): keep what it accepted.

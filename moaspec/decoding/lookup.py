@@ -60,6 +60,17 @@ class NgramIndex:
         has just proposed, so a loop of period p is drafted in full, not p tokens only.
         """
         self.update(tokens)
+        return self.match(tokens, count)
+
+    def match(self, tokens: Sequence[int], count: int) -> list[int]:
+        """:meth:`continuation` without indexing ``tokens`` first.
+
+        For a sequence whose tail is not settled (drafts still being verified): the
+        index holds a prefix of ``tokens`` that will not change, and the tail is only
+        looked up, never recorded.
+        """
+        if len(tokens) < self._indexed:
+            raise ValueError("the indexed sequence must be a prefix of the tokens looked up")
         for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             start = self._last.get(tuple(tokens[len(tokens) - n :]))
             if start is None:
