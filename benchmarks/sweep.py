@@ -1,10 +1,13 @@
-"""Tune speculative decoding for this machine: chain length, tree shape and draft-vocabulary size.
+"""Tune speculative decoding for this machine: chain length, tree shape, draft vocabulary, prompt lookup.
 
 Every configuration and vanilla decoding run back to back on each prompt (order
 rotating per prompt), greedy, first turns of SpecBench; prints tokens/s, speedup
-against vanilla in the same run, and τ for each configuration.
+against vanilla in the same run, and τ for each configuration. ``--grid drafter``
+sweeps the drafter alone (chains, trees, draft vocabularies); ``--grid lookup``
+sweeps prompt lookup's length alone, before chains of the drafter, and grafted onto
+its smallest tree.
 
-    .venv/bin/python benchmarks/sweep.py --per-file 2 --max-new-tokens 128
+    .venv/bin/python benchmarks/sweep.py --grid drafter --per-file 2 --max-new-tokens 128
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ from pathlib import Path
 import torch
 
 from moaspec.chat import chat_messages, encode_chat
-from moaspec.decoding import GenerationConfig, generate
-from moaspec.decoding.speculative import generate_chain
-from moaspec.decoding.tree import TreeShape, generate_tree
+from moaspec.decoding import GenerationConfig
+from moaspec.decoding.strategy import Strategy
+from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter, shipped_drafter
-from moaspec.drafters.proposers import MoAProposer
+from moaspec.drafters.base import Drafter
 from moaspec.models import load_model
 from moaspec.specbench import load_questions
 
@@ -28,10 +31,31 @@ REPO = Path(__file__).resolve().parent.parent
 CHAINS = [1, 2, 3, 4, 6]
 TREES = [TreeShape(2, 2, 4), TreeShape(3, 2, 8), TreeShape(4, 3, 12), TreeShape(5, 4, 24)]
 VOCABS = [4096]
+LOOKUPS = [5, 10, 16]
+LOOKUP_CHAINS = [1, 2, 3]
+
+
+def drafter_grid(full: Drafter, vocabs: dict[int, Drafter]) -> dict[str, Strategy]:
+    grid = {f"chain-{t}": Strategy(full, chain=t) for t in CHAINS}
+    grid.update({f"tree-{s.depth}x{s.top_k}-{s.total}": Strategy(full, tree=s) for s in TREES})
+    for k, d in vocabs.items():
+        grid[f"tree-3x2-8-v{k}"] = Strategy(d, tree=TreeShape(3, 2, 8))
+        grid[f"chain-2-v{k}"] = Strategy(d, chain=2)
+    return grid
+
+
+def lookup_grid(full: Drafter) -> dict[str, Strategy]:
+    grid = {"chain-2": Strategy(full, chain=2)}
+    for n in LOOKUPS:
+        grid[f"lookup-{n}"] = Strategy(lookup=n)
+        grid.update({f"lookup-{n}+chain-{c}": Strategy(full, chain=c, lookup=n) for c in LOOKUP_CHAINS})
+    grid["lookup-10+tree-2x2-4"] = Strategy(full, tree=TreeShape(2, 2, 4), lookup=10)
+    return grid
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--grid", choices=("drafter", "lookup"), default="drafter")
     ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
     ap.add_argument("--per-file", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -43,29 +67,25 @@ def main() -> None:
     lm = load_model(None, device="cpu")
     path = args.drafter or shipped_drafter(lm)
     full = load_drafter(path, lm)
-    vocabs = {k: load_drafter(path, lm) for k in VOCABS if full.draft_vocab is not None and k < full.cfg.draft_vocab_size}
-    for k, d in vocabs.items():
-        d.attach(lm.model, vocab_limit=k)
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    m, tok = lm.model, lm.tokenizer
+    if args.grid == "drafter":
+        vocabs = {k: load_drafter(path, lm) for k in VOCABS
+                  if full.draft_vocab is not None and k < full.cfg.draft_vocab_size}
+        for k, d in vocabs.items():
+            d.attach(lm.model, vocab_limit=k)
+        configs = {"vanilla": Strategy(), **drafter_grid(full, vocabs)}
+    else:
+        configs = {"vanilla": Strategy(), **lookup_grid(full)}
 
-    configs: dict[str, object] = {"vanilla": lambda ids: generate(m, tok, ids, cfg)}
-    for t in CHAINS:
-        configs[f"chain-{t}"] = lambda ids, t=t: generate_chain(m, tok, MoAProposer(full), ids, cfg, t)
-    for s in TREES:
-        configs[f"tree-{s.depth}x{s.top_k}-{s.total}"] = lambda ids, s=s: generate_tree(m, tok, MoAProposer(full), ids, cfg, s)
-    for k, d in vocabs.items():
-        configs[f"tree-3x2-8-v{k}"] = lambda ids, d=d: generate_tree(m, tok, MoAProposer(d), ids, cfg, TreeShape(3, 2, 8))
-        configs[f"chain-2-v{k}"] = lambda ids, d=d: generate_chain(m, tok, MoAProposer(d), ids, cfg, 2)
-
-    prompts = [encode_chat(tok, chat_messages(q.turns[0])) for q in load_questions(args.questions, per_file=args.per_file)]
+    prompts = [encode_chat(lm.tokenizer, chat_messages(q.turns[0]))
+               for q in load_questions(args.questions, per_file=args.per_file)]
     names = list(configs)
     for n in names:  # warm-up
-        configs[n](prompts[0][:32])
+        configs[n].run(lm, prompts[0][:32], cfg)
     stats = {n: {"tokens": 0, "s": 0.0, "accepted": 0, "calls": 0} for n in names}
     for i, ids in enumerate(prompts):
         for n in names[i % len(names):] + names[: i % len(names)]:
-            r = configs[n](ids)
+            r = configs[n].run(lm, ids, cfg)
             st = stats[n]
             st["tokens"] += r.new_tokens
             st["s"] += r.total_s
