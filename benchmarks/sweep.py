@@ -5,7 +5,7 @@ rotating per prompt), greedy, first turns of SpecBench; prints tokens/s, speedup
 against vanilla in the same run, and τ for each configuration. ``--grid drafter``
 sweeps the drafter alone (chains, trees, draft vocabularies); ``--grid lookup``
 sweeps prompt lookup's length alone, before chains of the drafter, and grafted onto
-its smallest tree.
+its smallest tree; ``--grid ngram`` the shortest lookup match that counts.
 
     .venv/bin/python benchmarks/sweep.py --grid drafter --per-file 2 --max-new-tokens 128
 """
@@ -53,9 +53,22 @@ def lookup_grid(full: Drafter) -> dict[str, Strategy]:
     return grid
 
 
+def ngram_grid(full: Drafter) -> dict[str, Strategy]:
+    """How long a lookup match must be before it takes a cycle from the drafter (chains) or joins its tree."""
+    grid = {}
+    for m in (1, 2, 3):
+        grid[f"lookup-10+chain-2-min{m}"] = Strategy(full, chain=2, lookup=10, lookup_min_ngram=m)
+    for m in (1, 2):
+        grid[f"lookup-10+tree-2x2-4-min{m}"] = Strategy(full, tree=TreeShape(2, 2, 4), lookup=10, lookup_min_ngram=m)
+    return grid
+
+
+GRIDS = {"lookup": lookup_grid, "ngram": ngram_grid}  # grids of the full drafter alone
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", choices=("drafter", "lookup"), default="drafter")
+    ap.add_argument("--grid", choices=("drafter", *GRIDS), default="drafter")
     ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
     ap.add_argument("--per-file", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -75,7 +88,7 @@ def main() -> None:
             d.attach(lm.model, vocab_limit=k)
         configs = {"vanilla": Strategy(), **drafter_grid(full, vocabs)}
     else:
-        configs = {"vanilla": Strategy(), **lookup_grid(full)}
+        configs = {"vanilla": Strategy(), **GRIDS[args.grid](full)}
 
     prompts = [encode_chat(lm.tokenizer, chat_messages(q.turns[0]))
                for q in load_questions(args.questions, per_file=args.per_file)]

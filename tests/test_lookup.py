@@ -57,6 +57,35 @@ def test_bad_ngram_bounds_are_refused() -> None:
         Strategy(lookup=-1)
 
 
+class FixedDrafter:
+    """A proposer that always drafts the same tokens: shows who drafted a cycle."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, tokens, n, sampling, generator):  # type: ignore[no-untyped-def]
+        from moaspec.decoding.proposer import Proposal
+
+        return Proposal(torch.tensor(self.tokens[:n]), None)
+
+
+def test_a_one_token_match_copies_alone_but_leaves_the_cycle_to_a_drafter() -> None:
+    only_one_token_recurs = [5, 1, 7, 8, 1]  # "1" occurred before (then 7 followed); "8 1" did not
+    alone = LookupProposer(50)
+    assert alone.propose(only_one_token_recurs, 2, SamplingParams(), None).tokens.tolist() == [7, 8]
+    def behind() -> LookupProposer:
+        return LookupProposer(50, FixedDrafter([30, 31]), drafter_len=2)  # type: ignore[arg-type]
+
+    assert behind().propose(only_one_token_recurs, 4, SamplingParams(), None).tokens.tolist() == [30, 31]
+    two_tokens_recur = [5, 1, 7, 8, 5, 1]  # "5 1" occurred before: that copy goes first
+    assert behind().propose(two_tokens_recur, 3, SamplingParams(), None).tokens.tolist() == [7, 8, 5]
+    forced = LookupProposer(50, FixedDrafter([30, 31]), drafter_len=2, min_ngram=1)  # type: ignore[arg-type]
+    assert forced.propose(only_one_token_recurs, 2, SamplingParams(), None).tokens.tolist() == [7, 8]
+    with pytest.raises(MoaspecError):
+        Strategy(lookup=4, lookup_min_ngram=0)
+    assert Strategy(lookup=4, lookup_min_ngram=1).describe() == "lookup(4,min_ngram=1)"
+
+
 @pytest.mark.parametrize("with_drafter", [False, True])
 @pytest.mark.parametrize("lookup", [1, 5])
 def test_greedy_lookup_equals_vanilla(tiny_llama, with_drafter: bool, lookup: int) -> None:  # type: ignore[no-untyped-def]

@@ -33,7 +33,7 @@ import torch
 from moaspec.clientserver import codec
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationConfig, TokenSink
-from moaspec.decoding.lookup import NgramIndex
+from moaspec.decoding.lookup import MIN_NGRAM_BEFORE_DRAFTER, NgramIndex
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN
 from moaspec.drafters.base import Drafter
@@ -293,7 +293,7 @@ class SplitGeneration:
         self.proposer = split_proposer(self.drafter)
         self.view = _View(len(prompt_ids), min(context, len(prompt_ids) + budget + self.max_draft + 2))
         self.proposer.begin(self.view)  # type: ignore[arg-type]
-        self.index = NgramIndex()
+        self.index = NgramIndex(min_ngram=MIN_NGRAM_BEFORE_DRAFTER)  # a drafter always stands behind it here
         try:
             first = self._open(prompt_ids, budget)
         except ServerUnreachable as exc:

@@ -33,6 +33,7 @@ class Strategy:
     chain: int = DEFAULT_CHAIN
     tree: TreeShape | None = None
     lookup: int = 0
+    lookup_min_ngram: int | None = None  # shortest lookup match that counts (None: LookupProposer's rule)
 
     def __post_init__(self) -> None:
         if self.chain < 1:
@@ -41,9 +42,12 @@ class Strategy:
             raise MoaspecError(f"lookup drafts must be >= 0 (0 disables lookup), got {self.lookup}")
         if self.lookup and self.tree is not None and self.drafter is None:
             raise MoaspecError("prompt lookup adds to a drafter's tree; without a drafter it drafts chains")
+        if self.lookup_min_ngram is not None and self.lookup_min_ngram < 1:
+            raise MoaspecError(f"a lookup match needs at least one token, got {self.lookup_min_ngram}")
 
     def describe(self) -> str:
-        lookup = f"+lookup({self.lookup})" if self.lookup else ""
+        min_ngram = f",min_ngram={self.lookup_min_ngram}" if self.lookup_min_ngram is not None else ""
+        lookup = f"+lookup({self.lookup}{min_ngram})" if self.lookup else ""
         if self.drafter is None:
             return lookup[1:] or "vanilla"
         kind = type(self.drafter).__name__.removesuffix("Drafter").lower()
@@ -64,7 +68,8 @@ class Strategy:
 
         proposer: Any = proposer_for(self.drafter) if self.drafter is not None else None
         if self.lookup:
-            proposer = LookupProposer(model.cfg.vocab_size, proposer, drafter_len=self.chain, tree_lookup=self.lookup)
+            proposer = LookupProposer(model.cfg.vocab_size, proposer, drafter_len=self.chain, tree_lookup=self.lookup,
+                                      min_ngram=self.lookup_min_ngram)
         if self.tree is not None:
             return generate_tree(model, tok, proposer, prompt_ids, config, self.tree, on_text=on_text, on_piece=on_piece)
         return generate_chain(model, tok, proposer, prompt_ids, config, draft_len=max(self.chain, self.lookup),
