@@ -7,6 +7,7 @@ import torch
 
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.lookup import LookupProposer, NgramIndex
+from moaspec.decoding.proposer import Proposal
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.strategy import Strategy
 from moaspec.errors import MoaspecError
@@ -64,8 +65,6 @@ class FixedDrafter:
         self.tokens = tokens
 
     def propose(self, tokens, n, sampling, generator):  # type: ignore[no-untyped-def]
-        from moaspec.decoding.proposer import Proposal
-
         return Proposal(torch.tensor(self.tokens[:n]), None)
 
 
@@ -73,6 +72,7 @@ def test_a_one_token_match_copies_alone_but_leaves_the_cycle_to_a_drafter() -> N
     only_one_token_recurs = [5, 1, 7, 8, 1]  # "1" occurred before (then 7 followed); "8 1" did not
     alone = LookupProposer(50)
     assert alone.propose(only_one_token_recurs, 2, SamplingParams(), None).tokens.tolist() == [7, 8]
+
     def behind() -> LookupProposer:
         return LookupProposer(50, FixedDrafter([30, 31]), drafter_len=2)  # type: ignore[arg-type]
 
