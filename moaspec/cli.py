@@ -22,6 +22,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model: 'smollm2' (default, embedded), a .gguf file, or a local HF model directory")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="the target's weights and activations (default: fp32 on CPU, bf16 on GPUs); "
+                        "float32 on a GPU makes distillation data and features exactly as the CPU target sees them")
 
 
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
@@ -619,7 +622,8 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_model(args.model, device=args.device)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    return load_model(args.model, device=args.device, dtype=dtype)
 
 
 COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "client": cmd_client,

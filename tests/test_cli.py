@@ -43,6 +43,21 @@ def test_generate_with_prompt_lookup_alone_matches_plain_decoding(tiny_dirs) -> 
     assert lookup["target_calls"] <= plain["target_calls"]
 
 
+def test_dtype_option_picks_the_targets_precision(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    """``--dtype`` reaches the loader (fp32 targets on a GPU make data exactly as the CPU target would);
+    a value outside the choices is refused by the parser, without a traceback."""
+    import torch
+
+    from moaspec.cli import _load, build_parser
+
+    for name, dtype in (("auto", torch.float32), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        args = build_parser().parse_args(["data", "--output", "x", "--model", str(tiny_dirs["llama"]),
+                                          "--device", "cpu", "--dtype", name])
+        assert _load(args).model.embed.weight.dtype == dtype
+    proc = run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), "--dtype", "float64")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_generate_streams_and_matches_json(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     common = ("--model", str(tiny_dirs["qwen2"]), "--max-new-tokens", "12", "--temperature", "0.7", "--seed", "3")
     streamed = run_cli("generate", "hello", *common)

@@ -150,7 +150,9 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     """Generate one shard's conversations; deterministic given (seed, shard)."""
     tok = model.tokenizer
     stop = stop_token_ids(model.model, tok)
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + shard)
+    # sampling draws on the logits' device (a CPU generator cannot drive CUDA sampling); the
+    # data is reproducible per device type, and CPU-made data is unchanged
+    gen = torch.Generator(device=model.model.device).manual_seed(cfg.seed * 1_000_003 + shard)
     rng = torch.Generator().manual_seed(cfg.seed * 7_919 + shard)
     families = list(TASKS) + list(PASTED_TEXT)
     picks = [families[i] for i in torch.randint(0, len(families), (cfg.shard_size,), generator=rng).tolist()]
