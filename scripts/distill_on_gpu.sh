@@ -40,7 +40,7 @@ for k in moa eagle; do
 done
 wait
 STEPS=$(python3 -c "
-import json, sys
+import json
 w = max(json.load(open(f'$OUT/cal-{k}/progress.json'))['wall_s'] for k in ('moa', 'eagle'))
 print(max(100, int(0.88 * $TRAIN_S / (w / 30))))") || { echo "calibration failed: see $OUT/cal-*.log" >&2; exit 1; }
 log "training: $STEPS updates each"
