@@ -15,7 +15,7 @@ from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
 from moaspec.training.dataset import Batch
 from moaspec.training.distill import Masks, build_masks, tli_mask
-from moaspec.training.masks import cross_attention_mask, segment_starts
+from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
 
 
 def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0) -> MoADrafter:  # type: ignore[no-untyped-def]
@@ -158,3 +158,18 @@ def test_training_masks_leave_no_row_empty() -> None:
     assert torch.equal(masks.starts[0], st)  # same generator stream: the first row's segmentation
     tm = tli_mask(masks, batch.lengths)
     assert tm.shape == (2, 30, 60) and tm.any(-1).all()
+
+
+def test_batched_training_masks_equal_each_sequences_own() -> None:
+    """build_masks builds all rows at once (on the training device): each real row must be its sequence's masks."""
+    lengths, prompts, local = torch.tensor([30, 17, 9]), torch.tensor([6, 4, 9]), torch.tensor([True, False, True])
+    masks = build_masks(Batch(torch.zeros(3, 30, dtype=torch.long), lengths, prompts), torch.Generator().manual_seed(3),
+                        local, 2, 4)
+    g = torch.Generator().manual_seed(3)
+    for b in range(3):
+        n, p = int(lengths[b]), int(prompts[b])
+        st = segment_starts(p, n, g, 2, 4)
+        assert torch.equal(masks.starts[b, :n], st)
+        assert torch.equal(masks.sa[b, :n, :n], self_attention_mask(st, bool(local[b])))
+        assert torch.equal(masks.ca[b, :n, :n], cross_attention_mask(st, p))
+        assert not masks.sa[b, :n, n:].any() and not masks.ca[b, :n, n:].any()  # padding is never attended

@@ -34,20 +34,25 @@ class Masks:
     loss: torch.Tensor  # [B, S] response positions of real tokens
 
 
-def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor, lo: int = 5, hi: int = 15) -> Masks:
-    """Per-sequence masks padded to the batch; padding rows see position 0 so that no row is empty."""
+def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor, lo: int = 5, hi: int = 15,
+                device: torch.device | str = "cpu") -> Masks:
+    """Per-sequence masks padded to the batch; padding rows see position 0 so that no row is empty.
+
+    Segment starts are drawn on the CPU (one generator, so a resumed run draws the same
+    ones); the ``[B, S, S]`` attention masks are built on ``device``: on a GPU, building
+    them on the CPU and copying them over took a fifth of a training step.
+    """
     B, S = batch.tokens.shape
-    sa = torch.zeros(B, S, S, dtype=torch.bool)
-    ca = torch.zeros(B, S, S, dtype=torch.bool)
     starts = torch.zeros(B, S, dtype=torch.long)
     loss = torch.zeros(B, S, dtype=torch.bool)
     for b in range(B):
         n, p = int(batch.lengths[b]), int(batch.prompt_lens[b])
-        st = segment_starts(p, n, generator, lo, hi)
-        sa[b, :n, :n] = self_attention_mask(st, bool(local_sa[b]))
-        ca[b, :n, :n] = cross_attention_mask(st, p)
-        starts[b, :n] = st
+        starts[b, :n] = segment_starts(p, n, generator, lo, hi)
         loss[b, p:n] = True
+    st = starts.to(device)
+    real = (torch.arange(S, device=st.device)[None, :] < batch.lengths.to(device)[:, None])[:, :, None]
+    sa = self_attention_mask(st, local_sa.to(device)) & real
+    ca = cross_attention_mask(st, batch.prompt_lens.to(device)) & real
     sa[:, :, 0] |= ~sa.any(-1)
     ca[:, :, 0] |= ~ca.any(-1)
     return Masks(sa, ca, starts, loss)

@@ -31,24 +31,26 @@ def segment_starts(prompt_len: int, seq_len: int, generator: torch.Generator, lo
     return starts
 
 
-def cross_attention_mask(starts: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """``[S, S]`` bool, query × memory: response positions see memory strictly before their segment start.
+def cross_attention_mask(starts: torch.Tensor, prompt_len: int | torch.Tensor) -> torch.Tensor:
+    """``[..., S, S]`` bool, query × memory: response positions see memory strictly before their segment start.
 
     Prompt positions (no loss there) see the memory causally, so that no row is empty.
+    ``starts`` is ``[..., S]`` (one sequence or a batch, with ``prompt_len`` one per
+    sequence), built on ``starts``' device so that a GPU run never ships masks over PCIe.
     """
-    S = starts.shape[0]
-    pos = torch.arange(S)
-    limit = torch.where(pos < prompt_len, pos + 1, starts)  # memory positions < limit are visible
-    return pos[None, :] < limit[:, None]
+    S = starts.shape[-1]
+    pos = torch.arange(S, device=starts.device)
+    p = torch.as_tensor(prompt_len, device=starts.device)[..., None]
+    limit = torch.where(pos < p, pos + 1, starts)  # memory positions < limit are visible
+    return pos < limit[..., None]
 
 
-def self_attention_mask(starts: torch.Tensor, local: bool) -> torch.Tensor:
-    """``[S, S]`` causal mask for SA; ``local`` keeps each position inside its own segment (staircase)."""
-    S = starts.shape[0]
-    causal = torch.ones(S, S, dtype=torch.bool).tril()
-    if not local:
-        return causal
-    return causal & (starts[:, None] == starts[None, :])
+def self_attention_mask(starts: torch.Tensor, local: bool | torch.Tensor) -> torch.Tensor:
+    """``[..., S, S]`` causal mask for SA; ``local`` (per sequence) keeps each position inside its own segment (staircase)."""
+    S = starts.shape[-1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=starts.device).tril()
+    same = starts[..., :, None] == starts[..., None, :]
+    return causal & (same | ~torch.as_tensor(local, device=starts.device)[..., None, None])
 
 
 def staircase_probability(step: int, total_steps: int) -> float:

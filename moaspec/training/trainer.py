@@ -105,6 +105,11 @@ class Trainer:
                                mixed_precision=resolve_precision(cfg.mixed_precision))
         if target.model.device != self.acc.device and not on_cpu:  # one GPU per process
             target.model.to(self.acc.device)
+        if not on_cpu:
+            # TF32 matmuls for an fp32 target on a GPU: its features are rounded through fp16
+            # (same 10-bit mantissa) before the drafter sees them, and its forward runs ~3x faster
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         self.target = target
         self.data_dirs = [data] if isinstance(data, Path) else list(data)
         if len({d.resolve() for d in self.data_dirs}) < len(self.data_dirs):
@@ -282,7 +287,7 @@ class Trainer:
         cfg = self.cfg
         p = staircase_probability(self.step, cfg.steps) if cfg.staircase else 0.0
         local = torch.rand(batch.tokens.shape[0], generator=gen) < p
-        masks = build_masks(batch, gen, local, cfg.segment_min, cfg.segment_max)
+        masks = build_masks(batch, gen, local, cfg.segment_min, cfg.segment_max, self.acc.device)
         tgt = self.target_features(batch)
         with self.acc.autocast():
             out = drafter_loss(self.raw, self.target.model, batch, masks, tgt, wrapped=self.model)
@@ -354,7 +359,8 @@ class Trainer:
         raw = self.acc.unwrap_model(self.model)
         for idx in mine:
             batch = collate([self.val_set[i] for i in idx])
-            masks = build_masks(batch, gen, torch.zeros(len(idx), dtype=torch.bool), cfg.segment_min, cfg.segment_max)
+            masks = build_masks(batch, gen, torch.zeros(len(idx), dtype=torch.bool), cfg.segment_min, cfg.segment_max,
+                                self.acc.device)
             tgt = self.target_features(batch)
             with self.acc.autocast():
                 out = drafter_loss(raw, self.target.model, batch, masks, tgt)
