@@ -137,7 +137,9 @@ def perplexity(target: LoadedModel, context: Sequence[int], continuation: Sequen
 def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int], profile: Profile,
                 ids: Sequence[int], after: int, cont: int, chain: int, fmt: str, seed: int) -> dict[str, Any]:
     proxy = NetworkProxy(upstream, profile, seed).start()
-    remote = RemoteTarget(proxy.url, timeout=5, retries=0)
+    # the cut resets connections, so the client notices it at once; the timeout only guards a loaded
+    # server's prefill (5 s failed the study's start on a busy machine)
+    remote = RemoteTarget(proxy.url, timeout=30, retries=0)
     gen = SplitGeneration(drafter, target.tokenizer, remote, set(), draft_len=chain, fmt=fmt,
                           on_piece=lambda text, kind: proxy.cut() if len(gen.sink.tokens) >= after else None)
     try:
