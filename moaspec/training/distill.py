@@ -39,8 +39,8 @@ def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor
     """Per-sequence masks padded to the batch; padding rows see position 0 so that no row is empty.
 
     Segment starts are drawn on the CPU (one generator, so a resumed run draws the same
-    ones); the ``[B, S, S]`` attention masks are built on ``device``: on a GPU, building
-    them on the CPU and copying them over took a fifth of a training step.
+    ones); the ``[B, S, S]`` attention masks are built on ``device``: for a 16 k-token
+    batch, building them row by row on a CPU core takes ~0.1 s, against a ~0.4 s GPU step.
     """
     B, S = batch.tokens.shape
     starts = torch.zeros(B, S, dtype=torch.long)
