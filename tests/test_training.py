@@ -52,7 +52,8 @@ def read_log(path: Path) -> list[dict[str, str]]:
 def test_training_reduces_the_loss_and_exports_a_drafter(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from moaspec.drafters.checkpoint import load_drafter
 
-    summary = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(), progress=False).train()
+    # a fifth held out, so that greedy answers are among them (val_tau_decode replays those)
+    summary = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(val_fraction=0.2), progress=False).train()
     log = read_log(tmp_path / "run" / "train_log.csv")
     assert len(log) == 30 and summary["steps"] == 30
     first = sum(float(r["loss"]) for r in log[:5]) / 5
@@ -60,6 +61,7 @@ def test_training_reduces_the_loss_and_exports_a_drafter(tiny_llama, tiny_data: 
     assert last < 0.8 * first, (first, last)
     val = read_log(tmp_path / "run" / "val_log.csv")[-1]
     assert 1.0 <= float(val["val_tau_chain6"]) <= 7.0
+    assert 1.0 <= float(val["val_tau_decode"]) <= 7.0  # replayed real decoding of the held-out greedy answers
     drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
     assert drafter.cfg.draft_vocab_size == 128
     meta = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
@@ -76,6 +78,7 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
     last = sum(float(r["loss"]) for r in log[-5:]) / 5
     assert last < 0.9 * first, (first, last)
     assert read_log(tmp_path / "run" / "val_log.csv")[-1]["val_tau_chain6"] == ""
+    assert read_log(tmp_path / "run" / "val_log.csv")[-1]["val_tau_decode"] == ""
     assert isinstance(load_drafter(tmp_path / "run" / "drafter", tiny_llama), EagleDrafter)
 
 
@@ -107,6 +110,19 @@ def test_resume_is_exact(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  
         torch.testing.assert_close(a[k], b[k], msg=k)
     la, lb = read_log(tmp_path / "straight" / "train_log.csv"), read_log(split / "train_log.csv")
     assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+
+
+def test_a_log_begun_with_fewer_columns_is_widened(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A run resumed by a moaspec that logs a new column keeps its old rows under the wider header."""
+    trainer = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(), progress=False)
+    (tmp_path / "run" / "val_log.csv").write_text("step,val_loss\r\n10,0.5\r\n")
+    trainer.log("val_log.csv", {"step": 20, "val_loss": 0.4, "val_tau_decode": 1.5})
+    trainer.log("val_log.csv", {"step": 30, "val_loss": 0.3, "val_tau_decode": 1.6})
+    assert read_log(tmp_path / "run" / "val_log.csv") == [
+        {"step": "10", "val_loss": "0.5", "val_tau_decode": ""},
+        {"step": "20", "val_loss": "0.4", "val_tau_decode": "1.5"},
+        {"step": "30", "val_loss": "0.3", "val_tau_decode": "1.6"},
+    ]
 
 
 def test_resume_refuses_other_settings(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -285,3 +301,4 @@ def test_trains_on_several_data_directories(tiny_llama, tiny_data: Path, tmp_pat
         Trainer(tiny_llama, tiny_data, tmp_path / "replay", small(kind="eagle", same_data_as=str(tmp_path / "both")),
                 progress=False)
     assert shard_counts({"0": 3, "1": [4, 2]}) == {0: [3], 1: [4, 2]}  # progress.json from before several directories
+

@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from moaspec.training.losses import distillation_loss, kl_target_to_draft
+from moaspec.training.distill import simulate_chain
 from moaspec.training.masks import (
     cross_attention_mask,
+    cycle_starts,
     segment_starts,
     self_attention_mask,
     staircase_probability,
@@ -77,6 +79,32 @@ def test_self_attention_masks() -> None:
     assert local[4].nonzero().flatten().tolist() == [2, 3, 4]
     assert local[6].nonzero().flatten().tolist() == [5, 6]
     assert local.diagonal().all()
+
+
+@pytest.mark.parametrize("prompt_len,seq_len", [(3, 40), (7, 8), (5, 5)])
+def test_cycle_starts_give_every_response_position_a_whole_segment(prompt_len: int, seq_len: int) -> None:
+    L = 6
+    owner = {}  # response position -> the phase whose segment starts there
+    for phase in range(L):
+        starts = cycle_starts(prompt_len, seq_len, L, phase)
+        assert (starts[:prompt_len] == 0).all() and (starts[prompt_len:] >= prompt_len).all()
+        assert (starts[prompt_len:] <= torch.arange(prompt_len, seq_len)).all()
+        for s in range(prompt_len, seq_len):
+            if (s - prompt_len) % L == phase:
+                assert starts[s] == s and (starts[s : s + L] == s).all()  # the whole segment from s, cut by the end only
+                owner[s] = phase
+    assert sorted(owner) == list(range(prompt_len, seq_len))
+    with pytest.raises(ValueError):
+        cycle_starts(3, 10, L, L)
+
+
+def test_simulated_chain_follows_the_cycles_real_decoding_runs() -> None:
+    # a cycle starting at s accepts runs[s] drafts and adds the target's own token: the next one starts after both
+    runs = [9, 9, 2, 0, 5, 1, 0, 3, 4, 0, 0, 0, 0, 0]
+    assert simulate_chain(runs, prompt_len=2, answer_len=10) == [3, 2, 4]  # cycles start at 2, 5 and 7
+    assert simulate_chain(runs, prompt_len=2, answer_len=8) == [3, 2, 3]  # the last drafts only what the budget leaves
+    assert simulate_chain([6] * 20, prompt_len=0, answer_len=16, depth=6) == [7, 7, 2]  # at most depth drafts
+    assert simulate_chain(runs, prompt_len=2, answer_len=1) == []  # the prefill wrote the only token
 
 
 def test_staircase_schedule() -> None:

@@ -28,6 +28,7 @@ class Example:
     prompt_len: int
     key: str = ""  # the record id: names the example's cached target features
     source: int = 0  # which of the run's data directories it came from
+    greedy: bool = False  # the answer is the target's greedy output (what real decoding is evaluated on)
 
 
 def read_manifest(data_dir: Path) -> dict:
@@ -65,7 +66,7 @@ def load_examples(data_dirs: Sequence[Path], model: str, max_len: int, val_fract
                 prompt, answer = rec["prompt_ids"], rec["answer_ids"]
                 if not answer or len(prompt) >= max_len - 1:
                     continue
-                ex = Example(tuple((prompt + answer)[:max_len]), len(prompt), rec["id"], source)
+                ex = Example(tuple((prompt + answer)[:max_len]), len(prompt), rec["id"], source, rec.get("sampling") == "greedy")
                 (val if held_out(rec["id"], val_fraction) else train).append(ex)
     if not train:
         raise MoaspecError(f"{', '.join(map(str, data_dirs))}: no usable training examples yet")
@@ -129,6 +130,7 @@ class Batch:
     prompt_lens: torch.Tensor  # [B]
     keys: tuple[str, ...] = ()
     sources: tuple[int, ...] = ()
+    greedy: tuple[bool, ...] = ()
 
 
 def collate(examples: Sequence[Example]) -> Batch:
@@ -137,7 +139,7 @@ def collate(examples: Sequence[Example]) -> Batch:
     for b, e in enumerate(examples):
         tokens[b, : len(e.tokens)] = torch.tensor(e.tokens)
     return Batch(tokens, torch.tensor([len(e.tokens) for e in examples]), torch.tensor([e.prompt_len for e in examples]),
-                 tuple(e.key for e in examples), tuple(e.source for e in examples))
+                 tuple(e.key for e in examples), tuple(e.source for e in examples), tuple(e.greedy for e in examples))
 
 
 def batch_stream(examples_for: Callable[[int], Sequence[Example]], tokens_per_batch: int, seed: int, rank: int,

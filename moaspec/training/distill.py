@@ -9,6 +9,7 @@ masks that imitate inference; the loss compares the two on response positions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from moaspec.models.transformer import Transformer
 from moaspec.training.dataset import Batch
 from moaspec.training.features import TargetOut
 from moaspec.training.losses import LossParts, distillation_loss
-from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
+from moaspec.training.masks import cross_attention_mask, cycle_starts, segment_starts, self_attention_mask
 
 
 @dataclass
@@ -36,19 +37,28 @@ class Masks:
 
 def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor, lo: int = 5, hi: int = 15,
                 device: torch.device | str = "cpu") -> Masks:
-    """Per-sequence masks padded to the batch; padding rows see position 0 so that no row is empty.
+    """Training masks: response segments of lengths drawn uniformly from ``lo..hi``.
 
     Segment starts are drawn on the CPU (one generator, so a resumed run draws the same
-    ones); the ``[B, S, S]`` attention masks are built on ``device``: for a 16 k-token
-    batch, building them row by row on a CPU core takes ~0.1 s, against a ~0.4 s GPU step.
+    ones); the masks themselves are built on ``device`` (:func:`masks_from_starts`).
     """
     B, S = batch.tokens.shape
     starts = torch.zeros(B, S, dtype=torch.long)
-    loss = torch.zeros(B, S, dtype=torch.bool)
     for b in range(B):
-        n, p = int(batch.lengths[b]), int(batch.prompt_lens[b])
-        starts[b, :n] = segment_starts(p, n, generator, lo, hi)
-        loss[b, p:n] = True
+        starts[b, : int(batch.lengths[b])] = segment_starts(int(batch.prompt_lens[b]), int(batch.lengths[b]), generator, lo, hi)
+    return masks_from_starts(batch, starts, local_sa, device)
+
+
+def masks_from_starts(batch: Batch, starts: torch.Tensor, local_sa: torch.Tensor, device: torch.device | str = "cpu") -> Masks:
+    """Masks for given segment starts (``[B, S]``), padded to the batch; padding rows see position 0 so that no row is empty.
+
+    The ``[B, S, S]`` masks are built on ``device`` for the whole batch at once: for a
+    16 k-token batch, building them row by row on a CPU core took ~0.1 s, against a
+    ~0.4 s GPU step.
+    """
+    S = batch.tokens.shape[1]
+    pos = torch.arange(S)
+    loss = (pos[None, :] >= batch.prompt_lens[:, None]) & (pos[None, :] < batch.lengths[:, None])
     st = starts.to(device)
     real = (torch.arange(S, device=st.device)[None, :] < batch.lengths.to(device)[:, None])[:, :, None]
     sa = self_attention_mask(st, local_sa.to(device)) & real
@@ -152,3 +162,53 @@ def acceptance_by_offset(draft_logits: torch.Tensor, target_full_argmax: torch.T
 def full_argmax(target: Transformer, final: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return F.linear(final, target.lm_head.weight).argmax(-1)
+
+
+def cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: TargetOut, depth: int = 6) -> torch.Tensor:
+    """``[B, S]`` (CPU): how many drafts a greedy chain of ``depth`` would accept in a cycle starting at each response position.
+
+    A MoA cycle depends only on where it starts: its memory holds the target's states
+    before that position, and along the target's greedy output its drafts read the
+    same tokens as teacher forcing does up to the first miss. So ``depth`` passes, each
+    with segments of ``depth`` positions shifted by one position from the last, give
+    every position's cycle (:func:`simulate_chain` then follows the cycles real
+    decoding would run). Positions outside responses get 0.
+    """
+    B, S = batch.tokens.shape
+    device = tgt.final.device
+    pos = torch.arange(S)
+    runs = torch.zeros(B, S, dtype=torch.long)
+    greedy = None
+    for phase in range(depth):
+        starts = torch.zeros(B, S, dtype=torch.long)
+        for b in range(B):
+            starts[b, : int(batch.lengths[b])] = cycle_starts(int(batch.prompt_lens[b]), int(batch.lengths[b]), depth, phase)
+        masks = masks_from_starts(batch, starts, torch.zeros(B, dtype=torch.bool), device)
+        draft_logits = drafter_loss(drafter, target, batch, masks, tgt).draft_logits
+        if greedy is None:  # the response positions are the same in every phase
+            greedy = full_argmax(target, tgt.final[masks.loss.to(device)])
+        match = torch.zeros(B, S + depth, dtype=torch.bool)
+        match[:, :S][masks.loss] = (drafter.to_target_ids(draft_logits.argmax(-1)) == greedy).cpu()
+        first = masks.loss & (starts == pos) & ((pos[None, :] - batch.prompt_lens[:, None]) % depth == phase)
+        alive, run = first.clone(), torch.zeros(B, S, dtype=torch.long)
+        for k in range(depth):  # a segment of this phase holds its start and the depth - 1 positions after it
+            alive &= match[:, k : k + S]
+            run += alive
+        runs = torch.where(first, run, runs)
+    return runs
+
+
+def simulate_chain(runs: Sequence[int], prompt_len: int, answer_len: int, depth: int = 6) -> list[int]:
+    """Tokens that each verification adds when greedy chains of ``depth`` drafts write ``answer_len`` tokens.
+
+    ``runs[s]`` is what a cycle starting at position ``s`` accepts (:func:`cycle_runs`).
+    The first token comes from the prefill; then each cycle drafts at most what is left
+    of the budget, as :func:`moaspec.decoding.speculative.generate_chain` does, and
+    adds its accepted drafts plus the target's own token.
+    """
+    added, made, s = [], 1, prompt_len
+    while made < answer_len:
+        n = min(runs[s], depth, answer_len - made) + 1
+        added.append(n)
+        made, s = made + n, s + n
+    return added

@@ -31,6 +31,23 @@ def segment_starts(prompt_len: int, seq_len: int, generator: torch.Generator, lo
     return starts
 
 
+def cycle_starts(prompt_len: int, seq_len: int, length: int, phase: int) -> torch.Tensor:
+    """``[seq_len]``: response segments of ``length`` positions, starting at ``prompt_len + phase`` (mod ``length``).
+
+    A position before the first such start belongs to a shorter segment from
+    ``prompt_len``. The ``length`` phases together give every response position a
+    whole segment that starts there, which is what evaluating real decoding needs
+    (:func:`moaspec.training.distill.cycle_runs`).
+    """
+    if not 0 <= phase < length:
+        raise ValueError(f"phase must be in 0..{length - 1}, got {phase}")
+    starts = torch.zeros(seq_len, dtype=torch.long)
+    rel = torch.arange(seq_len) - prompt_len - phase
+    starts[prompt_len:] = prompt_len
+    starts[rel >= 0] = (prompt_len + phase + rel.div(length, rounding_mode="floor") * length)[rel >= 0]
+    return starts
+
+
 def cross_attention_mask(starts: torch.Tensor, prompt_len: int | torch.Tensor) -> torch.Tensor:
     """``[..., S, S]`` bool, query × memory: response positions see memory strictly before their segment start.
 

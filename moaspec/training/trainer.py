@@ -14,6 +14,7 @@ shards each epoch used, so a resumed run replays the same epochs).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.training.dataset import (Batch, Example, batch_stream, collate, draft_vocabulary, load_examples, make_batches,
                                       read_manifest)
-from moaspec.training.distill import acceptance_by_offset, build_masks, drafter_loss, full_argmax
+from moaspec.training.distill import acceptance_by_offset, build_masks, cycle_runs, drafter_loss, full_argmax, simulate_chain
 from moaspec.training.features import FeatureStore, TargetOut
 from moaspec.training.masks import staircase_probability
 
@@ -248,15 +249,27 @@ class Trainer:
         }
 
     def log(self, name: str, row: dict[str, Any]) -> None:
+        """Append ``row`` to a CSV log; one begun by a moaspec that logged fewer columns is widened first."""
         if not self.acc.is_main_process:
             return
         path = self.out / name
-        new = not path.exists()
+        header: list[str] = []
+        if path.exists():
+            with path.open(newline="") as f:
+                header = next(csv.reader(f), [])
+        fields = header + [k for k in row if k not in header]
+        if fields != header:  # a new log, or one to widen
+            old: list[dict[str, str]] = []
+            if header:
+                with path.open(newline="") as f:
+                    old = list(csv.DictReader(f))
+            buf = io.StringIO()
+            w = csv.DictWriter(buf, fieldnames=fields)
+            w.writeheader()
+            w.writerows(old)
+            atomic_write_text(path, buf.getvalue())
         with path.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(row))
-            if new:
-                w.writeheader()
-            w.writerow(row)
+            csv.DictWriter(f, fieldnames=fields).writerow(row)
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -343,18 +356,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out loss, top-1 agreement with the target's greedy token, and teacher-forced chain acceptance.
+        """Held-out loss, top-1 agreement with the target's greedy token, and chain acceptance (MoA).
 
-        ``val_tau_chain6`` is meaningful for MoA, whose masks keep the target's states
-        out of a segment exactly as at inference; for EAGLE it would be optimistic (it is
-        fed the target's true features inside segments), so it is left out.
+        ``val_tau_chain6`` counts leading accepted drafts from the starts of the random
+        5..15 training segments. Real decoding starts each cycle right after the last
+        miss, where drafting tends to be harder, so this overstates it.
+        ``val_tau_decode`` is what greedy chain-6 decoding of the held-out greedy answers
+        gets, cycle for cycle (:func:`cycle_runs`, :func:`simulate_chain`). Both are
+        left out for EAGLE, which is fed the target's true features inside segments.
         """
         cfg = self.cfg
         self.model.eval()
         gen = torch.Generator().manual_seed(12345)
         batches = make_batches(self.val_set, cfg.tokens_per_batch, cfg.seed, epoch=0)[: cfg.val_batches]
         mine = batches[self.acc.process_index :: self.acc.num_processes]
-        sums = torch.zeros(7)  # loss·n, kl·n, feature·n, n, accepted drafts, segments, top-1 matches
+        sums = torch.zeros(9)  # loss·n, kl·n, feature·n, n, accepted drafts, segments, top-1 matches, decoded tokens, cycles
         raw = self.acc.unwrap_model(self.model)
         for idx in mine:
             batch = collate([self.val_set[i] for i in idx])
@@ -367,11 +383,24 @@ class Trainer:
             accepted, segments = acceptance_by_offset(out.draft_logits, greedy, raw.to_target_ids, masks)
             matches = float((raw.to_target_ids(out.draft_logits.argmax(-1)) == greedy).sum())
             n = float(masks.loss.sum())
+            decoded = self.decode_greedy_answers(raw, batch, tgt) if cfg.kind == "moa" else [0, 0]
             sums += torch.tensor([float(out.loss.total) * n, float(out.loss.kl) * n, float(out.loss.feature) * n,
-                                  n, float(accepted), float(segments), matches])
+                                  n, float(accepted), float(segments), matches, *decoded])
         sums = self.acc.reduce(sums.to(self.acc.device), reduction="sum").cpu()
         self.model.train()
         n = max(float(sums[3]), 1.0)
         return {"val_loss": round(float(sums[0]) / n, 5), "val_kl": round(float(sums[1]) / n, 5),
                 "val_feature": round(float(sums[2]) / n, 5), "val_top1": round(float(sums[6]) / n, 4),
-                "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4) if cfg.kind == "moa" else ""}
+                "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4) if cfg.kind == "moa" else "",
+                "val_tau_decode": round(float(sums[7]) / float(sums[8]), 4) if cfg.kind == "moa" and sums[8] else ""}
+
+    def decode_greedy_answers(self, drafter: MoADrafter, batch: Batch, tgt: TargetOut, depth: int = 6) -> list[int]:
+        """[tokens, verifications] of greedy chain-``depth`` decoding replayed along the batch's greedy answers."""
+        with self.acc.autocast():
+            runs = cycle_runs(drafter, self.target.model, batch, tgt, depth)
+        tokens = cycles = 0
+        for b in (b for b, greedy in enumerate(batch.greedy) if greedy):
+            p, n = int(batch.prompt_lens[b]), int(batch.lengths[b])
+            added = simulate_chain(runs[b].tolist(), p, n - p, depth)
+            tokens, cycles = tokens + sum(added), cycles + len(added)
+        return [tokens, cycles]
