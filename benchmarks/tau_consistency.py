@@ -27,10 +27,9 @@ from moaspec.drafters.moa import MoADrafter
 from moaspec.drafters.proposers import proposer_for
 from moaspec.models import load_model
 from moaspec.specbench import load_questions
-from moaspec.training.dataset import Example, collate
-from moaspec.training.distill import Masks, drafter_loss, full_argmax
+from moaspec.training.dataset import Batch, Example, collate
+from moaspec.training.distill import Masks, drafter_loss, full_argmax, masks_from_starts
 from moaspec.training.features import target_pass
-from moaspec.training.masks import cross_attention_mask, self_attention_mask
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,10 +41,10 @@ def replay_masks(prompt_len: int, cycles: list[int], seq_len: int) -> Masks:
     for n in cycles:
         starts[s : s + n] = s
         s += n
-    pos = torch.arange(seq_len)
-    loss = (pos >= prompt_len) & (pos < s)  # not past the last cycle
-    return Masks(self_attention_mask(starts, False)[None], cross_attention_mask(starts, prompt_len)[None],
-                 starts[None], loss[None])
+    masks = masks_from_starts(Batch(torch.zeros(1, seq_len, dtype=torch.long), torch.tensor([seq_len]), torch.tensor([prompt_len])),
+                              starts[None], torch.zeros(1, dtype=torch.bool))
+    masks.loss[0, s:] = False  # not past the last cycle
+    return masks
 
 
 def main() -> None:
