@@ -53,12 +53,12 @@ def main() -> None:
             tgt = target_pass(lm.model, batch.tokens, drafter.cfg.tli_layers)
             masks = build_masks(batch, gen, torch.zeros(1, dtype=torch.bool))
             out = drafter_loss(drafter, lm.model, batch, masks, tgt)
-            accepted, segments = acceptance_by_offset(out.draft_logits, full_argmax(lm.model, tgt.final[masks.loss]),
-                                                      drafter.to_target_ids, masks)
+            greedy = full_argmax(lm.model, tgt.final[masks.loss])
+            accepted, segments = acceptance_by_offset(out.draft_logits, greedy, drafter.to_target_ids, masks)
             seg["greedy" if ex.greedy else "sampled"][0] += float(accepted)
             seg["greedy" if ex.greedy else "sampled"][1] += float(segments)
             if ex.greedy:
-                runs = cycle_runs(drafter, lm.model, batch, tgt)[0].tolist()
+                runs = cycle_runs(drafter, lm.model, batch, tgt, greedy)[0].tolist()
                 answer = len(ex.tokens) - ex.prompt_len
                 for name, n in (("whole", answer), ("head", min(answer, args.head))):
                     added = simulate_chain(runs, ex.prompt_len, n)

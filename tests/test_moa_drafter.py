@@ -17,7 +17,7 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.speculative import generate_chain
 from moaspec.drafters.proposers import proposer_for
 from moaspec.training.dataset import Batch, Example, collate
-from moaspec.training.distill import Masks, build_masks, cycle_runs, simulate_chain, tli_mask
+from moaspec.training.distill import Masks, build_masks, cycle_runs, full_argmax, simulate_chain, tli_mask
 from moaspec.training.features import target_pass
 from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
 
@@ -188,7 +188,8 @@ def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, tli: int, vocab: 
                          GenerationConfig(max_new_tokens=40), draft_len=6)
     batch = collate([Example(tuple(prompt + res.token_ids), len(prompt), greedy=True)])
     with torch.no_grad():
-        runs = cycle_runs(drafter, tiny_llama.model, batch, target_pass(tiny_llama.model, batch.tokens, tli))
+        tgt = target_pass(tiny_llama.model, batch.tokens, tli)
+        runs = cycle_runs(drafter, tiny_llama.model, batch, tgt, full_argmax(tiny_llama.model, tgt.final[0, len(prompt) :]))
     replayed = simulate_chain(runs[0].tolist(), len(prompt), len(res.token_ids))
     n = len(res.accepted_lengths) - (res.finish_reason == "stop")  # a stop token ends the real run's last cycle early
     assert replayed[:n] == res.accepted_lengths[:n]

@@ -28,7 +28,7 @@ from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.proposers import MoAProposer
 from moaspec.specbench import load_questions
 from moaspec.training.dataset import Example, collate
-from moaspec.training.distill import cycle_runs, simulate_chain
+from moaspec.training.distill import cycle_runs, full_argmax, simulate_chain
 from moaspec.training.features import target_pass
 
 pytestmark = pytest.mark.real
@@ -103,7 +103,8 @@ def test_held_out_decode_replay_equals_real_chain_decoding(real_model, drafter) 
                              draft_len=6)
         batch = collate([Example(tuple(ids + res.token_ids), len(ids), greedy=True)])
         with torch.no_grad():
-            runs = cycle_runs(drafter, real_model.model, batch, target_pass(real_model.model, batch.tokens, 0))
+            tgt = target_pass(real_model.model, batch.tokens, 0)
+            runs = cycle_runs(drafter, real_model.model, batch, tgt, full_argmax(real_model.model, tgt.final[0, len(ids) :]))
         replayed = simulate_chain(runs[0].tolist(), len(ids), len(res.token_ids))
         n = len(res.accepted_lengths) - (res.finish_reason == "stop")
         same += sum(a == b for a, b in zip(replayed[:n], res.accepted_lengths[:n]))

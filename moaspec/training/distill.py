@@ -101,6 +101,16 @@ def drafter_loss(drafter: Drafter, target: Transformer, batch: Batch, masks: Mas
     the same loss, teacher-forced on the target's features as EAGLE trains; an
     independent drafter gets it too, reading tokens only.
     """
+    draft_feats, target_feats = predicted_features(drafter, target, batch, masks, tgt, wrapped)
+    draft_logits = drafter.head(draft_feats[0])
+    with torch.no_grad():
+        target_logits = drafter.head(target_feats[0])
+    return StepOut(distillation_loss(target_logits, draft_logits, target_feats, draft_feats), draft_logits, target_logits)
+
+
+def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, masks: Masks, tgt: TargetOut,
+                       wrapped: torch.nn.Module | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(drafter's, target's) features at response positions: the final state first, then with N > 0 layer L−N's."""
     device = tgt.final.device
     sel = masks.loss.to(device)
     if isinstance(drafter, EagleDrafter):
@@ -114,25 +124,19 @@ def drafter_loss(drafter: Drafter, target: Transformer, batch: Batch, masks: Mas
         pred = (wrapped or drafter)(batch.tokens.to(device), drafter.memory_source_of(tgt.token_kv, tgt.final),
                                     masks.sa.to(device), masks.ca.to(device))
         N = drafter.cfg.tli_layers
-    if N:
-        B, S = batch.tokens.shape
-        L = target.cfg.num_layers
-        H, D = target.cfg.num_kv_heads, target.cfg.head_dim
-        cache = KVCache(N, H, D, 2 * S, B, pred.dtype, device)
-        # the last N layers' true K/V, unpacked from the per-token layout [B, S, L, (K heads, V heads)·D]
-        true_kv = tgt.token_kv[:, :, L - N :].reshape(B, S, N, 2, H, D).permute(3, 2, 0, 4, 1, 5)
-        cache.keys[:, :, :, :S], cache.values[:, :, :, :S] = true_kv[0], true_kv[1]
-        cache.length = S
-        final = drafter.run_tli(pred, cache, torch.arange(S, device=device), tli_mask(masks, batch.lengths).to(device),
-                                cache_layer_offset=L - N)
-        draft_feats, target_feats = [final[sel], pred[sel]], [tgt.final[sel], tgt.layer[sel]]
-    else:
-        final = pred
-        draft_feats, target_feats = [final[sel]], [tgt.final[sel]]
-    draft_logits = drafter.head(draft_feats[0])
-    with torch.no_grad():
-        target_logits = drafter.head(target_feats[0])
-    return StepOut(distillation_loss(target_logits, draft_logits, target_feats, draft_feats), draft_logits, target_logits)
+    if not N:
+        return [pred[sel]], [tgt.final[sel]]
+    B, S = batch.tokens.shape
+    L = target.cfg.num_layers
+    H, D = target.cfg.num_kv_heads, target.cfg.head_dim
+    cache = KVCache(N, H, D, 2 * S, B, pred.dtype, device)
+    # the last N layers' true K/V, unpacked from the per-token layout [B, S, L, (K heads, V heads)·D]
+    true_kv = tgt.token_kv[:, :, L - N :].reshape(B, S, N, 2, H, D).permute(3, 2, 0, 4, 1, 5)
+    cache.keys[:, :, :, :S], cache.values[:, :, :, :S] = true_kv[0], true_kv[1]
+    cache.length = S
+    final = drafter.run_tli(pred, cache, torch.arange(S, device=device), tli_mask(masks, batch.lengths).to(device),
+                            cache_layer_offset=L - N)
+    return [final[sel], pred[sel]], [tgt.final[sel], tgt.layer[sel]]
 
 
 def acceptance_by_offset(draft_logits: torch.Tensor, target_full_argmax: torch.Tensor, to_target_ids, masks: Masks,
@@ -164,7 +168,8 @@ def full_argmax(target: Transformer, final: torch.Tensor) -> torch.Tensor:
         return F.linear(final, target.lm_head.weight).argmax(-1)
 
 
-def cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: TargetOut, depth: int = 6) -> torch.Tensor:
+def cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
+               depth: int = 6) -> torch.Tensor:
     """``[B, S]`` (CPU): how many drafts a greedy chain of ``depth`` would accept in a cycle starting at each response position.
 
     A MoA cycle depends only on where it starts: its memory holds the target's states
@@ -172,21 +177,19 @@ def cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: Targ
     same tokens as teacher forcing does up to the first miss. So ``depth`` passes, each
     with segments of ``depth`` positions shifted by one position from the last, give
     every position's cycle (:func:`simulate_chain` then follows the cycles real
-    decoding would run). Positions outside responses get 0.
+    decoding would run). ``greedy`` is the target's greedy token at each response
+    position (:func:`full_argmax`). Positions outside responses get 0.
     """
     B, S = batch.tokens.shape
     device = tgt.final.device
     pos = torch.arange(S)
     runs = torch.zeros(B, S, dtype=torch.long)
-    greedy = None
     for phase in range(depth):
         starts = torch.zeros(B, S, dtype=torch.long)
         for b in range(B):
             starts[b, : int(batch.lengths[b])] = cycle_starts(int(batch.prompt_lens[b]), int(batch.lengths[b]), depth, phase)
         masks = masks_from_starts(batch, starts, torch.zeros(B, dtype=torch.bool), device)
-        draft_logits = drafter_loss(drafter, target, batch, masks, tgt).draft_logits
-        if greedy is None:  # the response positions are the same in every phase
-            greedy = full_argmax(target, tgt.final[masks.loss.to(device)])
+        draft_logits = drafter.head(predicted_features(drafter, target, batch, masks, tgt)[0][0])
         match = torch.zeros(B, S + depth, dtype=torch.bool)
         match[:, :S][masks.loss] = (drafter.to_target_ids(draft_logits.argmax(-1)) == greedy).cpu()
         first = masks.loss & (starts == pos) & ((pos[None, :] - batch.prompt_lens[:, None]) % depth == phase)

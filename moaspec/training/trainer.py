@@ -383,7 +383,7 @@ class Trainer:
             accepted, segments = acceptance_by_offset(out.draft_logits, greedy, raw.to_target_ids, masks)
             matches = float((raw.to_target_ids(out.draft_logits.argmax(-1)) == greedy).sum())
             n = float(masks.loss.sum())
-            decoded = self.decode_greedy_answers(raw, batch, tgt) if cfg.kind == "moa" else [0, 0]
+            decoded = self.decode_greedy_answers(raw, batch, tgt, greedy) if cfg.kind == "moa" else [0, 0]
             sums += torch.tensor([float(out.loss.total) * n, float(out.loss.kl) * n, float(out.loss.feature) * n,
                                   n, float(accepted), float(segments), matches, *decoded])
         sums = self.acc.reduce(sums.to(self.acc.device), reduction="sum").cpu()
@@ -394,12 +394,13 @@ class Trainer:
                 "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4) if cfg.kind == "moa" else "",
                 "val_tau_decode": round(float(sums[7]) / float(sums[8]), 4) if cfg.kind == "moa" and sums[8] else ""}
 
-    def decode_greedy_answers(self, drafter: MoADrafter, batch: Batch, tgt: TargetOut, depth: int = 6) -> list[int]:
+    def decode_greedy_answers(self, drafter: MoADrafter, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
+                              depth: int = 6) -> list[int]:
         """[tokens, verifications] of greedy chain-``depth`` decoding replayed along the batch's greedy answers."""
         with self.acc.autocast():
-            runs = cycle_runs(drafter, self.target.model, batch, tgt, depth)
+            runs = cycle_runs(drafter, self.target.model, batch, tgt, greedy, depth)
         tokens = cycles = 0
-        for b in (b for b, greedy in enumerate(batch.greedy) if greedy):
+        for b in (b for b, is_greedy in enumerate(batch.greedy) if is_greedy):
             p, n = int(batch.prompt_lens[b]), int(batch.lengths[b])
             added = simulate_chain(runs[b].tolist(), p, n - p, depth)
             tokens, cycles = tokens + sum(added), cycles + len(added)
