@@ -168,3 +168,48 @@ def test_sampled_chain_runs_and_is_reproducible(tiny_llama, kind: str) -> None: 
     a = generate_chain(model, tok, make(), PROMPTS[1], cfg)
     b = generate_chain(model, tok, make(), PROMPTS[1], cfg)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 30
+
+
+def fitted(proposer, loaded, tokens: list[int], steps: int = 150):  # type: ignore[no-untyped-def]
+    """The proposer's drafter fitted to the target's final states along ``tokens`` (so that it accepts often)."""
+    from moaspec.training.features import target_pass
+
+    d = proposer.drafter
+    seq = torch.tensor([tokens])
+    final = target_pass(loaded.model, seq, 0).final
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    d.train()
+    for _ in range(steps):
+        pred = d(seq, final) if isinstance(d, EagleDrafter) else d(seq)
+        loss = torch.nn.functional.mse_loss(pred, final)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    d.eval()
+    return type(proposer)(d)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "independent"])
+def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """cycle_runs + simulate_chain (training's val_tau_decode) accept, cycle for cycle, what greedy chain-6 decoding
+    accepts — for EAGLE, whose later drafts read its own predicted features, and for an independent drafter."""
+    from moaspec.training.dataset import Example, collate
+    from moaspec.training.distill import cycle_runs, full_argmax, simulate_chain
+    from moaspec.training.features import target_pass
+
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    cfg = GenerationConfig(max_new_tokens=60, ignore_eos=True)
+    accepted = 0
+    for prompt in PROMPTS:
+        want = generate(model, tok, prompt, cfg).token_ids
+        base = eagle_proposer(tiny_llama) if kind == "eagle" else independent_proposer(tiny_llama)
+        proposer = fitted(base, tiny_llama, prompt + want)
+        res = generate_chain(model, tok, proposer, prompt, cfg, draft_len=6)
+        assert res.token_ids == want
+        batch = collate([Example(tuple(prompt + want), len(prompt), greedy=True)])
+        with torch.no_grad():
+            tgt = target_pass(model, batch.tokens, 0)
+            runs = cycle_runs(proposer.drafter, model, batch, tgt, full_argmax(model, tgt.final[0, len(prompt) :]))
+        assert simulate_chain(runs[0].tolist(), len(prompt), len(want)) == res.accepted_lengths
+        accepted += sum(res.accepted_lengths) - len(res.accepted_lengths)
+    assert accepted > 30  # the fitted drafters accept often, so the later steps of cycles are exercised

@@ -72,13 +72,13 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
     from moaspec.drafters.checkpoint import load_drafter
     from moaspec.drafters.eagle import EagleDrafter
 
-    Trainer(tiny_llama, tiny_data, tmp_path / "run", small(kind="eagle"), progress=False).train()
+    Trainer(tiny_llama, tiny_data, tmp_path / "run", small(kind="eagle", val_fraction=0.2), progress=False).train()
     log = read_log(tmp_path / "run" / "train_log.csv")
     first = sum(float(r["loss"]) for r in log[:5]) / 5
     last = sum(float(r["loss"]) for r in log[-5:]) / 5
     assert last < 0.9 * first, (first, last)
     assert read_log(tmp_path / "run" / "val_log.csv")[-1]["val_tau_chain6"] == ""
-    assert read_log(tmp_path / "run" / "val_log.csv")[-1]["val_tau_decode"] == ""
+    assert 1.0 <= float(read_log(tmp_path / "run" / "val_log.csv")[-1]["val_tau_decode"]) <= 7.0  # EAGLE's replayed decoding
     assert isinstance(load_drafter(tmp_path / "run" / "drafter", tiny_llama), EagleDrafter)
 
 
@@ -95,6 +95,23 @@ def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes)
     assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in log)
     drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
     assert drafter.cfg.tli_layers == cfg.get("tli_layers", 0) and drafter.uses_lsa == (sizes is None)
+
+
+@pytest.mark.parametrize("kind", ["moa", "eagle", "independent"])
+def test_bf16_mixed_precision_trains_and_evaluates_without_dtype_warnings(tiny_llama, tiny_data: Path, tmp_path: Path,
+                                                                          kind: str) -> None:  # type: ignore[no-untyped-def]
+    """GPUs train under bf16 autocast; CPU autocast runs the same code paths (fp32 norm weights on bf16 activations,
+    evaluation in eval mode, where fp32 inference would use prepacked weights)."""
+    import warnings
+
+    cfg = small(kind=kind, steps=4, eval_every=4, save_every=4, val_fraction=0.2, mixed_precision="bf16",
+                tli_layers=1 if kind == "moa" else 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(tiny_llama, tiny_data, tmp_path / "run", cfg, progress=False).train()
+    assert not [w for w in caught if "dtype" in str(w.message)], [str(w.message) for w in caught]
+    val = read_log(tmp_path / "run" / "val_log.csv")[-1]
+    assert torch.isfinite(torch.tensor(float(val["val_loss"]))) and float(val["val_tau_decode"]) >= 1.0
 
 
 def test_resume_is_exact(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

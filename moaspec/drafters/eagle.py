@@ -61,6 +61,38 @@ class EagleDrafter(Drafter):
             mask = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()
         return self.layer.self_attention(self.inputs(tokens, prev), cos, sin, mask)
 
+    @torch.no_grad()
+    def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Chain drafting from every position at once: ``depth`` passes of predicted features ``[B, S, d]``.
+
+        Pass ``k`` at position ``q`` is the ``k``-th drafting step of the cycle that starts
+        at ``q − k``, fed the true token ``q`` (along the target's greedy output a step's
+        input is the true token until the first miss). As at inference
+        (:class:`~moaspec.drafters.proposers.EagleProposer`), that step reads the
+        prediction of the step before it, and attends to entries made from the target's
+        true features up to the cycle's start plus the entries of its own earlier
+        steps. Key block ``j`` of the buffer holds pass ``j``'s entries, so the query at
+        ``q`` of pass ``k`` sees block 0 up to ``q − k`` and, in block ``j``, position
+        ``q − k + j``. Positions ``q < k`` have no cycle; they see key 0 only.
+        """
+        B, S = tokens.shape
+        dev = tokens.device
+        cos, sin = self.rope(torch.arange(S, device=dev))
+        keys = torch.zeros(B, self.cfg.kv_heads, depth * S, self.cfg.head_dim, dtype=self.weight_dtype, device=dev)
+        values = torch.zeros_like(keys)
+        q = torch.arange(S, device=dev)[:, None]
+        i = torch.arange(S, device=dev)[None, :]
+        prev = features
+        passes: list[torch.Tensor] = []
+        for k in range(depth):
+            mask = [i <= q - k] + [i == q - k + j for j in range(1, k + 1)]
+            mask[0] = mask[0] | ((q < k) & (i == 0))
+            shifted = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)  # step k−1 of the same cycle
+            prev = self.layer.self_attention(self.inputs(tokens, shifted), cos, sin, torch.cat(mask, dim=1),
+                                             cache=(keys, values, k * S))
+            passes.append(prev)
+        return passes
+
     # --- inference ----------------------------------------------------------------------
 
     def new_cache(self, capacity: int) -> KVCache:

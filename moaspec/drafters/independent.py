@@ -25,7 +25,7 @@ from moaspec.drafters.base import Drafter, DrafterConfig
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import hf_state_dict
-from moaspec.models.transformer import Block, Transformer, causal_mask
+from moaspec.models.transformer import Block, Transformer, causal_mask, rms_norm
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class IndependentDrafter(Drafter):
         for i, block in enumerate(self.blocks):
             h = block(h, cos, sin, cache.keys[i], cache.values[i], start, mask)
         cache.length = start + T
-        return nn.functional.rms_norm(h, h.shape[-1:], self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced pass over right-padded sequences: predicted final features ``[B, S, d]``."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moaspec.models.packed_linear import Linear
-from moaspec.models.transformer import apply_rope
+from moaspec.models.transformer import apply_rope, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DraftAttention(nn.Module):

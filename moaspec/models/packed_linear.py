@@ -41,7 +41,9 @@ class Linear(nn.Linear):
         self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        # fp32 activations only: under CPU autocast (bf16) F.linear casts as autocast wants
+        if (self.packed is not None and x.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

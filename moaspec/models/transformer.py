@@ -30,6 +30,15 @@ def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.
     return emb.cos(), emb.sin()
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis, with the weight cast to ``x``'s dtype.
+
+    Under autocast, activations arrive in bf16 while trained weights stay fp32, and
+    mixed dtypes miss the fused kernel (with a warning on every call).
+    """
+    return F.rms_norm(x, x.shape[-1:], weight.to(x.dtype), eps)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[B, H, T, D]`` by per-position angles ``cos/sin`` ``[B or 1, 1, T, D]``."""
     half = x.shape[-1] // 2
@@ -97,8 +106,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask):  # type: ignore[no-untyped-def]
-        x = x + self.attn(F.rms_norm(x, x.shape[-1:], self.attn_norm, self.eps), cos, sin, k_cache, v_cache, start, mask)
-        return x + self.mlp(F.rms_norm(x, x.shape[-1:], self.mlp_norm, self.eps))
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, k_cache, v_cache, start, mask)
+        return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
 
 
 @dataclass
@@ -161,7 +170,7 @@ class Transformer(TokenEnds):
         return KVCache.for_model(self.cfg, capacity, batch_size, self.dtype, self.device)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(h, h.shape[-1:], self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[B or 1, 1, T, D]`` for positions ``[T]`` or ``[B, T]``."""

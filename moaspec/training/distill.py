@@ -168,17 +168,46 @@ def full_argmax(target: Transformer, final: torch.Tensor) -> torch.Tensor:
         return F.linear(final, target.lm_head.weight).argmax(-1)
 
 
-def cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
+def cycle_runs(drafter: Drafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
                depth: int = 6) -> torch.Tensor:
     """``[B, S]`` (CPU): how many drafts a greedy chain of ``depth`` would accept in a cycle starting at each response position.
 
-    A MoA cycle depends only on where it starts: its memory holds the target's states
-    before that position, and along the target's greedy output its drafts read the
-    same tokens as teacher forcing does up to the first miss. So ``depth`` passes, each
-    with segments of ``depth`` positions shifted by one position from the last, give
-    every position's cycle (:func:`simulate_chain` then follows the cycles real
-    decoding would run). ``greedy`` is the target's greedy token at each response
-    position (:func:`full_argmax`). Positions outside responses get 0.
+    Along the target's greedy output a cycle's drafts read the true tokens up to the
+    first miss, so every cycle can be computed teacher-forced, all positions at once;
+    :func:`simulate_chain` then follows the cycles real decoding would run. ``greedy`` is
+    the target's greedy token at each response position (:func:`full_argmax`).
+    Positions outside responses get 0. How a cycle depends on where it starts is the
+    drafter's: see :func:`_moa_cycle_runs` and :meth:`EagleDrafter.unrolled`; an
+    independent drafter reads tokens only, so one pass serves every step.
+    """
+    if isinstance(drafter, MoADrafter):
+        return _moa_cycle_runs(drafter, target, batch, tgt, greedy, depth)
+    B, S = batch.tokens.shape
+    device = tgt.final.device
+    pos = torch.arange(S)
+    response = (pos[None, :] >= batch.prompt_lens[:, None]) & (pos[None, :] < batch.lengths[:, None])
+    if isinstance(drafter, EagleDrafter):
+        steps = drafter.unrolled(batch.tokens.to(device), tgt.final, depth)
+    else:
+        assert isinstance(drafter, IndependentDrafter)
+        steps = [drafter(batch.tokens.to(device))] * depth
+    run = torch.zeros(B, S, dtype=torch.long)
+    alive = response.clone()
+    for k, feats in enumerate(steps):  # step k of the cycle starting at n sits at position n + k
+        match = torch.zeros(B, S + depth, dtype=torch.bool)
+        match[:, :S][response] = (drafter.to_target_ids(drafter.head(feats[response.to(device)]).argmax(-1)) == greedy).cpu()
+        alive &= match[:, k : k + S]
+        run += alive
+    return run
+
+
+def _moa_cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
+                    depth: int) -> torch.Tensor:
+    """:func:`cycle_runs` for MoA, whose cycle depends only on where it starts.
+
+    Its memory holds the target's states before that position, so ``depth`` passes,
+    each with segments of ``depth`` positions shifted by one position from the last,
+    give every position's cycle.
     """
     B, S = batch.tokens.shape
     device = tgt.final.device

@@ -362,8 +362,10 @@ class Trainer:
         5..15 training segments. Real decoding starts each cycle right after the last
         miss, where drafting tends to be harder, so this overstates it.
         ``val_tau_decode`` is what greedy chain-6 decoding of the held-out greedy answers
-        gets, cycle for cycle (:func:`cycle_runs`, :func:`simulate_chain`). Both are
-        left out for EAGLE, which is fed the target's true features inside segments.
+        gets, cycle for cycle (:func:`cycle_runs`, :func:`simulate_chain`), for every
+        kind of drafter, so MoA and EAGLE runs compare on it. ``val_tau_chain6`` is left
+        out for EAGLE, which teacher forcing feeds the target's true features inside
+        segments.
         """
         cfg = self.cfg
         self.model.eval()
@@ -383,7 +385,7 @@ class Trainer:
             accepted, segments = acceptance_by_offset(out.draft_logits, greedy, raw.to_target_ids, masks)
             matches = float((raw.to_target_ids(out.draft_logits.argmax(-1)) == greedy).sum())
             n = float(masks.loss.sum())
-            decoded = self.decode_greedy_answers(raw, batch, tgt, greedy) if cfg.kind == "moa" else [0, 0]
+            decoded = self.decode_greedy_answers(raw, batch, tgt, greedy)
             sums += torch.tensor([float(out.loss.total) * n, float(out.loss.kl) * n, float(out.loss.feature) * n,
                                   n, float(accepted), float(segments), matches, *decoded])
         sums = self.acc.reduce(sums.to(self.acc.device), reduction="sum").cpu()
@@ -392,9 +394,9 @@ class Trainer:
         return {"val_loss": round(float(sums[0]) / n, 5), "val_kl": round(float(sums[1]) / n, 5),
                 "val_feature": round(float(sums[2]) / n, 5), "val_top1": round(float(sums[6]) / n, 4),
                 "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4) if cfg.kind == "moa" else "",
-                "val_tau_decode": round(float(sums[7]) / float(sums[8]), 4) if cfg.kind == "moa" and sums[8] else ""}
+                "val_tau_decode": round(float(sums[7]) / float(sums[8]), 4) if sums[8] else ""}
 
-    def decode_greedy_answers(self, drafter: MoADrafter, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
+    def decode_greedy_answers(self, drafter: Drafter, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
                               depth: int = 6) -> list[int]:
         """[tokens, verifications] of greedy chain-``depth`` decoding replayed along the batch's greedy answers."""
         with self.acc.autocast():
