@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
     t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")
-    t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: 1.5x its input)")
+    t.add_argument("--lsa-width", type=int, default=None,
+                   help="LSA width, a multiple of 64 (default: half a layer's K/V width; the paper's is the full width)")
+    t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: twice the LSA width)")
     t.add_argument("--no-lsa", action="store_true",
                    help="ablation: MoA's memory from the target's final states instead of Layer Self-Attention over all layers")
     t.add_argument("--layers", type=int, default=None,
@@ -367,13 +369,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
-    if args.kind != "moa" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_mlp or args.no_lsa):
-        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-mlp and --no-lsa apply to MoA drafters only")
+    if args.kind != "moa" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_width or args.lsa_mlp or args.no_lsa):
+        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp and --no-lsa apply to MoA drafters only")
+    if args.lsa_width is not None and (args.lsa_width <= 0 or args.lsa_width % 64):
+        raise MoaspecError(f"--lsa-width must be a positive multiple of 64 (LSA's heads are 64 wide), got {args.lsa_width}")
     if args.layers is not None and (args.kind != "independent" or not 1 <= args.layers < loaded.cfg.num_layers):
         raise MoaspecError(f"--layers applies to independent drafters and must be in 1..{loaded.cfg.num_layers - 1}")
     sizes: dict[str, int | str | None] = {}
     if args.kind == "moa":
-        sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_mlp": args.lsa_mlp,
+        sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_width": args.lsa_width, "lsa_mlp": args.lsa_mlp,
                  "memory_source": "last-layer" if args.no_lsa else None}
     elif args.kind == "independent":
         sizes = {"layers": args.layers}

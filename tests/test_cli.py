@@ -137,3 +137,12 @@ def test_data_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  #
     proc = run_cli("data", "--output", str(tmp_path / "d"), "--model", str(tiny_dirs["llama"]), *opts)
     assert_one_line_error(proc, fragment)
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("opts,fragment", [(["--lsa-width", "100"], "--lsa-width"), (["--tli-layers", "99"], "--tli-layers"),
+                                           (["--kind", "eagle", "--lsa-width", "128"], "MoA drafters only")])
+def test_train_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli("train", "--data", str(tmp_path / "data"), "--output", str(tmp_path / "run"),
+                   "--model", str(tiny_dirs["llama"]), *opts)
+    assert_one_line_error(proc, fragment)
+    assert not (tmp_path / "run").exists()

@@ -96,6 +96,13 @@ def test_default_drafter_is_under_ten_percent_of_smollm2() -> None:
     assert 134_000_000 < target_params < 135_000_000
     assert drafter.own_parameters() <= 0.10 * target_params
     assert drafter.cfg.target_kv_width == 384  # one layer token = K and V of 3 heads of 64
+    assert (drafter.cfg.lsa_width, drafter.cfg.lsa_heads, drafter.cfg.lsa_mlp) == (192, 3, 384)  # half width by default
+    full = MoAConfig.for_target(cfg, draft_vocab_size=8192, lsa_width=384)  # the paper's: LSA as wide as a layer token
+    assert (full.lsa_heads, full.lsa_kv_heads, full.lsa_mlp) == (6, 2, 768)
+    with torch.device("meta"):
+        assert MoADrafter(full).own_parameters() <= 0.10 * target_params
+    with pytest.raises(ValueError, match="multiple of 64"):
+        MoAConfig.for_target(cfg, lsa_width=100)
 
 
 def test_checkpoint_round_trip(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

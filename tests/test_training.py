@@ -85,6 +85,7 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
 @pytest.mark.parametrize("cfg, sizes", [
     (dict(tli_layers=2), None),  # two reused layers: backward runs through both
     (dict(), {"memory_source": "last-layer"}),  # the ablation without LSA
+    (dict(), {"lsa_width": 128}),  # LSA wider than the default
 ])
 def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes) -> None:  # type: ignore[no-untyped-def]
     from moaspec.drafters.checkpoint import load_drafter
@@ -94,7 +95,10 @@ def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes)
     log = read_log(tmp_path / "run" / "train_log.csv")
     assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in log)
     drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
-    assert drafter.cfg.tli_layers == cfg.get("tli_layers", 0) and drafter.uses_lsa == (sizes is None)
+    assert drafter.cfg.tli_layers == cfg.get("tli_layers", 0)
+    assert drafter.uses_lsa == ((sizes or {}).get("memory_source") != "last-layer")
+    if sizes and "lsa_width" in sizes:
+        assert (drafter.cfg.lsa_width, drafter.cfg.lsa_heads) == (128, 2)
 
 
 @pytest.mark.parametrize("kind", ["moa", "eagle", "independent"])
