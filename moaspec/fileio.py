@@ -9,12 +9,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is set straight back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; the result should look like any other new file
     try:
         write(Path(tmp))
         os.replace(tmp, path)
@@ -35,9 +43,7 @@ def atomic_write_dir(path: str | Path, write: Callable[[Path], None]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should look like any other directory
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should look like any other directory
     try:
         write(tmp)
         old = None
