@@ -190,13 +190,16 @@ def cycle_runs(drafter: Drafter, target: Transformer, batch: Batch, tgt: TargetO
         steps = drafter.unrolled(batch.tokens.to(device), tgt.final, depth)
     else:
         assert isinstance(drafter, IndependentDrafter)
-        steps = [drafter(batch.tokens.to(device))] * depth
-    run = torch.zeros(B, S, dtype=torch.long)
-    alive = response.clone()
-    for k, feats in enumerate(steps):  # step k of the cycle starting at n sits at position n + k
+        steps = [drafter(batch.tokens.to(device))]
+    matches = []
+    for feats in steps:
         match = torch.zeros(B, S + depth, dtype=torch.bool)
         match[:, :S][response] = (drafter.to_target_ids(drafter.head(feats[response.to(device)]).argmax(-1)) == greedy).cpu()
-        alive &= match[:, k : k + S]
+        matches.append(match)
+    run = torch.zeros(B, S, dtype=torch.long)
+    alive = response.clone()
+    for k in range(depth):  # step k of the cycle starting at n sits at position n + k
+        alive &= matches[min(k, len(matches) - 1)][:, k : k + S]
         run += alive
     return run
 
