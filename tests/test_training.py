@@ -118,6 +118,16 @@ def test_bf16_mixed_precision_trains_and_evaluates_without_dtype_warnings(tiny_l
     assert torch.isfinite(torch.tensor(float(val["val_loss"]))) and float(val["val_tau_decode"]) >= 1.0
 
 
+def test_a_second_run_in_one_process_may_change_precision(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Accelerate's process-wide state refused a second Trainer with another precision (a notebook, a sweep)."""
+    for i, precision in enumerate(["no", "bf16", "no"]):
+        cfg = small(steps=1, eval_every=100, save_every=1, mixed_precision=precision)
+        trainer = Trainer(tiny_llama, tiny_data, tmp_path / f"run{i}", cfg, progress=False)
+        assert trainer.acc.mixed_precision == precision
+        trainer.train()
+        assert (tmp_path / f"run{i}" / "drafter" / "model.safetensors").exists()
+
+
 def test_resume_is_exact(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """6 steps straight equal 3 steps, a fresh process-like restart, then 3 more."""
     cfg = small(steps=6, save_every=3, eval_every=100)

@@ -92,6 +92,15 @@ def resolve_precision(choice: str) -> str:
     return "no"  # this CPU has no fast half-precision units
 
 
+def _forget_previous_run_precision() -> None:
+    """Accelerate keeps one process-wide state and refuses a second ``Accelerator`` with another precision, so a
+    program (a notebook, a sweep) that trains twice would fail on its second run. Only that per-run state is
+    dropped; the process group of a multi-process launch (``PartialState``) is kept."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+
+
 class Trainer:
     def __init__(self, target: LoadedModel, data: Path | Sequence[Path], out: Path, cfg: TrainConfig,
                  sizes: dict[str, Any] | None = None, progress: bool = True) -> None:
@@ -102,6 +111,7 @@ class Trainer:
         if cfg.same_data_as and cfg.init_from:
             raise MoaspecError("--same-data-as and --init-from each decide the draft vocabulary: give one of them")
         on_cpu = target.model.device.type == "cpu"
+        _forget_previous_run_precision()
         self.acc = Accelerator(cpu=on_cpu, gradient_accumulation_steps=cfg.grad_accum,
                                mixed_precision=resolve_precision(cfg.mixed_precision))
         if target.model.device != self.acc.device and not on_cpu:  # one GPU per process
