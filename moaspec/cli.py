@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ablation: MoA's memory from the target's final states instead of Layer Self-Attention over all layers")
     t.add_argument("--layers", type=int, default=None,
                    help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
-    t.add_argument("--init-from", default="", help="start from this exported drafter (RUN/drafter) instead of random weights")
+    t.add_argument("--init-from", default="", help="start from this exported drafter (RUN/drafter) instead of random weights; a MoA one may change --tli-layers")
     t.add_argument("--same-data-as", default="", metavar="RUN",
                    help="train on exactly the batches another run used (its shards per epoch and draft vocabulary): "
                         "a like-for-like comparison even after the data set grew")

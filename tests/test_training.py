@@ -270,6 +270,27 @@ def test_warm_start_from_an_exported_drafter(tiny_llama, tiny_data: Path, tmp_pa
                 progress=False)
 
 
+def test_warm_start_may_change_the_tli_depth(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """N = 0 -> 1 -> 0: LSA, SA and CA carry over; the output norm exists only at N = 0 and restarts from the target's."""
+    from moaspec.drafters.checkpoint import load_drafter
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "n0", small(steps=4), progress=False).train()
+    first = load_drafter(tmp_path / "n0" / "drafter", tiny_llama).state_dict()
+    t = Trainer(tiny_llama, tiny_data, tmp_path / "n1", small(steps=4, tli_layers=1, init_from=str(tmp_path / "n0" / "drafter")),
+                progress=False)
+    assert t.raw.cfg.tli_layers == 1 and t.raw.out_norm is None
+    carried = t.raw.state_dict()
+    assert set(first) - set(carried) == {"out_norm.weight"} and set(carried) <= set(first)
+    for k, v in carried.items():
+        torch.testing.assert_close(v, first[k].to(v.dtype), msg=k)
+    t.train()
+    assert load_drafter(tmp_path / "n1" / "drafter", tiny_llama).cfg.tli_layers == 1
+    back = Trainer(tiny_llama, tiny_data, tmp_path / "back", small(steps=1, init_from=str(tmp_path / "n1" / "drafter")),
+                   progress=False).raw
+    assert back.cfg.tli_layers == 0
+    torch.testing.assert_close(back.out_norm.weight, tiny_llama.model.norm.float())
+
+
 def test_independent_training_starts_from_the_target_and_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from moaspec.drafters.checkpoint import load_drafter
     from moaspec.drafters.independent import IndependentDrafter

@@ -108,6 +108,28 @@ class MoADrafter(Drafter):
         self.register_buffer("layer_cos", lcos[None, None], persistent=False)
         self.register_buffer("layer_sin", lsin[None, None], persistent=False)
 
+    def with_tli_layers(self, tli_layers: int) -> "MoADrafter":
+        """A copy whose prediction feeds the target's last ``tli_layers`` layers: a warm start for training.
+
+        LSA, SA and CA build the drafter's picture of the context and carry over
+        unchanged; only what CA's output is compared with changes (the target's final
+        state for N = 0, its state after layer L−N otherwise), and with it the output
+        norm, which exists only for N = 0 and then starts as the target's final norm.
+        Call on an attached drafter.
+        """
+        from dataclasses import replace
+
+        target = self.target
+        cfg = replace(self.cfg, tli_layers=tli_layers)
+        cfg.check_target(target.cfg)
+        new = MoADrafter(cfg).to(device=self.lsa_proj.weight.device, dtype=self.weight_dtype)
+        missing, unexpected = new.load_state_dict(self.state_dict(), strict=False)
+        assert {k.split(".")[0] for k in missing + unexpected} <= {"out_norm"}, (missing, unexpected)
+        if new.out_norm is not None:
+            new.out_norm.weight.data.copy_(target.norm.detach().to(new.out_norm.weight.dtype))
+        new.attach(target)
+        return new
+
     # --- pieces shared by training and inference ----------------------------------------
 
     def memory(self, source: torch.Tensor) -> torch.Tensor:

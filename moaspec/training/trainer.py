@@ -170,9 +170,11 @@ class Trainer:
         drafter = load_drafter(path, target)
         if kind_of(drafter) != self.cfg.kind:
             raise MoaspecError(f"--init-from {path} is not a {self.cfg.kind} drafter")
-        if drafter.cfg.draft_vocab_size != self.cfg.draft_vocab or getattr(drafter.cfg, "tli_layers", 0) != self.cfg.tli_layers:
-            raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size} and TLI "
-                               f"{getattr(drafter.cfg, 'tli_layers', 0)}; pass the same --draft-vocab and --tli-layers")
+        if drafter.cfg.draft_vocab_size != self.cfg.draft_vocab:
+            raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size}; "
+                               "pass the same --draft-vocab")
+        if isinstance(drafter, MoADrafter) and drafter.cfg.tli_layers != self.cfg.tli_layers:
+            drafter = drafter.float().with_tli_layers(self.cfg.tli_layers)  # e.g. try N = 1 from a trained N = 0
         return drafter.float().requires_grad_(True)
 
     def _reference_data(self, target: LoadedModel, run: Path) -> tuple[dict[int, int], torch.Tensor | None]:
