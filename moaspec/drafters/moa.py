@@ -26,7 +26,7 @@ from moaspec.drafters.layers import DecoderLayer, RMSNorm
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
-from moaspec.models.transformer import rope_tables
+from moaspec.models.transformer import Transformer, rope_tables
 
 
 MEMORY_SOURCES = ("lsa", "last-layer")
@@ -125,10 +125,14 @@ class MoADrafter(Drafter):
         new = MoADrafter(cfg).to(device=self.lsa_proj.weight.device, dtype=self.weight_dtype)
         missing, unexpected = new.load_state_dict(self.state_dict(), strict=False)
         assert {k.split(".")[0] for k in missing + unexpected} <= {"out_norm"}, (missing, unexpected)
-        if new.out_norm is not None:
-            new.out_norm.weight.data.copy_(target.norm.detach().to(new.out_norm.weight.dtype))
+        new.start_out_norm_from(target)
         new.attach(target)
         return new
+
+    def start_out_norm_from(self, target: Transformer) -> None:
+        """Start the output norm (N = 0 only) as the target's final norm: the prediction lives in its output space."""
+        if self.out_norm is not None:
+            self.out_norm.weight.data.copy_(target.norm.detach().to(self.out_norm.weight.dtype))
 
     # --- pieces shared by training and inference ----------------------------------------
 

@@ -196,10 +196,12 @@ def cycle_runs(drafter: Drafter, target: Transformer, batch: Batch, tgt: TargetO
         match = torch.zeros(B, S + depth, dtype=torch.bool)
         match[:, :S][response] = (drafter.to_target_ids(drafter.head(feats[response.to(device)]).argmax(-1)) == greedy).cpu()
         matches.append(match)
+    if len(matches) == 1:  # the independent drafter's one pass, for every step
+        matches *= depth
     run = torch.zeros(B, S, dtype=torch.long)
     alive = response.clone()
     for k in range(depth):  # step k of the cycle starting at n sits at position n + k
-        alive &= matches[min(k, len(matches) - 1)][:, k : k + S]
+        alive &= matches[k][:, k : k + S]
         run += alive
     return run
 

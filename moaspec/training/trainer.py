@@ -151,8 +151,8 @@ class Trainer:
         elif cfg.draft_vocab and not cfg.init_from:
             eos = list(target.cfg.eos_token_ids) + list(getattr(target.tokenizer, "all_special_ids", []) or [])
             drafter.set_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, eos, target.cfg.vocab_size))
-        if isinstance(drafter, MoADrafter) and drafter.out_norm is not None and not cfg.init_from:  # start from the target's own final norm: the feature lives in its output space
-            drafter.out_norm.weight.data.copy_(target.model.norm.detach().float())
+        if isinstance(drafter, MoADrafter) and not cfg.init_from:
+            drafter.start_out_norm_from(target.model)
         drafter = drafter.to(target.model.device)
         drafter.attach(target.model)
         drafter.train()
@@ -174,7 +174,7 @@ class Trainer:
             raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size}; "
                                "pass the same --draft-vocab")
         if isinstance(drafter, MoADrafter) and drafter.cfg.tli_layers != self.cfg.tli_layers:
-            drafter = drafter.float().with_tli_layers(self.cfg.tli_layers)  # e.g. try N = 1 from a trained N = 0
+            drafter = drafter.with_tli_layers(self.cfg.tli_layers)  # e.g. try N = 1 from a trained N = 0
         return drafter.float().requires_grad_(True)
 
     def _reference_data(self, target: LoadedModel, run: Path) -> tuple[dict[int, int], torch.Tensor | None]:
