@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--show-drafts", action="store_true", help="colour text from accepted drafts")
     _add_model_options(c)
 
-    e = sub.add_parser("export-client", help="write what a client device needs: embeddings, drafter, tokenizer (not the target)")
+    e = sub.add_parser("export-client", help="write what a client device needs: embeddings, drafter, tokenizer, and the last N layers for a TLI drafter (not the whole target)")
     e.add_argument("--output", required=True, help="directory for the bundle (written atomically)")
     e.add_argument("--drafter", default=None, help="MoA (N = 0), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     _add_model_options(e)
@@ -438,8 +438,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     moa = engine.strategy.drafter
     if moa is None and (path := args.drafter or shipped_drafter(loaded)):  # --no-draft: remote clients still draft
         moa = load_drafter(path, loaded)
-    if not isinstance(moa, MoADrafter) or moa.cfg.tli_layers:
-        moa = None  # client–server takes N = 0 drafters only; remote MoA clients are refused with that reason
+    if not isinstance(moa, MoADrafter):
+        moa = None  # remote MoA clients are refused: no LSA half here
     limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
     sessions = SessionStore(loaded, moa, limits)
     name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()

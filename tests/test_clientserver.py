@@ -44,6 +44,15 @@ def make_app(tiny_llama, drafter, **limits):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
+def tli_drafter(tiny_llama) -> MoADrafter:  # type: ignore[no-untyped-def]
+    """A MoA drafter with Target Layer Inference (N = 1): its client runs the target's last layer."""
+    torch.manual_seed(4)
+    d = MoADrafter(MoAConfig.for_target(tiny_llama.cfg, tli_layers=1))
+    d.attach(tiny_llama.model)
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
 def server(tiny_llama, drafter) -> Iterator[str]:  # type: ignore[no-untyped-def]
     with running(make_app(tiny_llama, drafter)) as url:
         yield url
@@ -127,6 +136,85 @@ def test_the_memory_from_the_server_is_what_the_drafter_computes_locally(tiny_ll
     remote.close(answer["session"])
 
 
+# --- Target Layer Inference on the client --------------------------------------------------
+
+def recording_steps(drafter: MoADrafter, monkeypatch) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Every draft step's logits, in call order."""
+    seen: list[torch.Tensor] = []
+    step = drafter.step
+
+    def record(*args, **kw):  # type: ignore[no-untyped-def]
+        out = step(*args, **kw)
+        seen.append(out.clone())
+        return out
+    monkeypatch.setattr(drafter, "step", record)
+    return seen
+
+
+def test_a_tli_client_drafts_what_one_device_drafts(tiny_llama, tli_drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With N = 1 the client runs the target's last layer over K/V the server sends: every draft step sees
+    what it would see next to the target (up to fp16 transfer), and the output is the target's."""
+    from moaspec.decoding.speculative import generate_chain
+    from moaspec.drafters.proposers import MoAProposer
+
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    local = recording_steps(tli_drafter, monkeypatch)
+    alone = generate_chain(tiny_llama.model, tiny_llama.tokenizer, MoAProposer(tli_drafter), PROMPT, cfg, draft_len=3)
+    local = local[:]  # the recorder below calls this one, which would record the client's steps too
+    remote = recording_steps(tli_drafter, monkeypatch)
+    with running(make_app(tiny_llama, tli_drafter)) as url:
+        result = split(tiny_llama, tli_drafter, url, 30, draft_len=3, pipeline=False)
+    assert result.token_ids == alone.token_ids == vanilla(tiny_llama, 30)
+    assert len(remote) == len(local) > 30
+    for a, b in zip(local, remote):
+        assert torch.allclose(a, b, atol=2e-2 * a.abs().max().item())
+    kv = 2 * tiny_llama.cfg.kv_dim  # one layer's K and V per verified token, besides the memory entry
+    assert result.state_bytes == (len(PROMPT) + sum(result.accepted_lengths)) * (tiny_llama.cfg.hidden_size + kv) * 2
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_a_tli_client_generates_alone_and_is_lossless_once_the_server_is_back(tiny_llama, tli_drafter, lookup) -> None:  # type: ignore[no-untyped-def]
+    with running(make_app(tiny_llama, tli_drafter)) as url:
+        proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
+        try:
+            result = split(tiny_llama, tli_drafter, proxy.url, 40, draft_len=3, timeout=2.0, retry_every=2,
+                           lookup=lookup, on_piece=cut_after(proxy, 5, restore_after=4))
+        finally:
+            proxy.stop()
+    assert result.offline_tokens > 0 and result.resyncs >= 1 and result.unverified == 0
+    assert result.token_ids == vanilla(tiny_llama, 40)
+
+
+def test_a_tli_client_runs_from_its_bundle(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The bundle of an N = 1 drafter carries the target's last block and final norm, and nothing of the rest."""
+    import json as jsonlib
+
+    from moaspec.chat import chat_messages, encode_chat
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import load_drafter, save_drafter, target_identity
+
+    torch.manual_seed(7)
+    path = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg, tli_layers=1)), tmp_path / "moa",
+                        target_identity(tiny_llama))
+    bundle = tmp_path / "bundle"
+    assert main(["export-client", "--model", str(tiny_dirs["llama"]), "--drafter", str(path), "--output", str(bundle)]) == 0
+    capsys.readouterr()
+    last = tiny_llama.cfg.num_layers - 1
+    names = set(load_file(str(bundle / "target.safetensors")))
+    assert {n.split(".")[1] for n in names if n.startswith("blocks.")} == {str(last)}
+    assert {"embed.weight", "norm"} <= names and jsonlib.loads((bundle / "bundle.json").read_text())["target_layers"] == 1
+    with running(make_app(tiny_llama, load_drafter(path, tiny_llama))) as url:
+        assert main(["client", "--server", url, "--api-key", KEY, "--bundle", str(bundle), "--max-new-tokens", "12",
+                     "--json", "The quick brown fox"]) == 0
+    out = jsonlib.loads(capsys.readouterr().out)
+    ids = encode_chat(tiny_llama.tokenizer, chat_messages("The quick brown fox"))
+    assert out["text"] == generate(tiny_llama.model, tiny_llama.tokenizer, ids, GenerationConfig(max_new_tokens=12)).text
+    info = jsonlib.loads((bundle / "bundle.json").read_text())
+    (bundle / "bundle.json").write_text(jsonlib.dumps({**info, "format": "moaspec-client-bundle/1"}))
+    assert main(["client", "--server", "http://127.0.0.1:9", "--bundle", str(bundle), "hi"]) == 2
+    assert "export it again" in capsys.readouterr().err
+
+
 # --- disconnection ---------------------------------------------------------------------------
 
 def cut_after(proxy: NetworkProxy, k: int, restore_after: int | None = None):  # type: ignore[no-untyped-def]
@@ -206,6 +294,9 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
             (("POST", "/sessions"), {"json": {"prompt": "hello"}}, 400, "prompt"),
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "state": "kv"}}, 400, "state"),
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "bogus": 1}}, 400, "bogus"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "target_layers": tiny_llama.cfg.num_layers}}, 400,
+             "target_layers must be in 0.."),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "target_layers": -1}}, 400, "target_layers"),
             (("POST", "/sessions"), {"content": b"{oops", "headers": {"Content-Type": "application/json"}}, 400, "JSON"),
             (("POST", "/sessions"), {"json": {"prompt": [1] * 5000}}, 413, "limit"),
             (("POST", "/sessions"), {"json": {"prompt": [1] * 300}}, 413, "at most"),
@@ -311,7 +402,7 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         bundle = tmp_path / "bundle"
         assert main(["export-client", "--model", str(tiny_dirs["llama"]), "--drafter", str(path), "--output", str(bundle)]) == 0
         assert "client bundle" in capsys.readouterr().out
-        assert set(load_file(str(bundle / "target.safetensors"))) == {"embed"}  # tied lm_head: nothing more
+        assert set(load_file(str(bundle / "target.safetensors"))) == {"embed.weight", "norm"}  # tied lm_head, N = 0
         no_model = [a for a in args if a not in ("--model", str(tiny_dirs["llama"]))]
         assert main([*no_model, "--bundle", str(bundle), "--json", "The quick brown fox"]) == 0
         assert jsonlib.loads(capsys.readouterr().out)["text"] == out["text"]

@@ -31,8 +31,8 @@ def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0) -> MoADraf
     return d.eval()
 
 
-@pytest.mark.parametrize("tli", [0, 1, 2])
-def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tli, together", [(0, False), (1, False), (2, False), (1, True), (2, True)])
+def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool) -> None:  # type: ignore[no-untyped-def]
     """Drafting after a verification at position p sees exactly what training shows a segment starting at p."""
     drafter = make_drafter(tiny_llama, tli=tli, vocab=64)
     target = tiny_llama.model
@@ -52,7 +52,7 @@ def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int
             tc = KVCache(tli, tiny_llama.cfg.num_kv_heads, tiny_llama.cfg.head_dim, 2 * S)
             tc.keys[:, :, :, :S], tc.values[:, :, :, :S] = cache.keys[L - tli :], cache.values[L - tli :]
             tc.length = S
-            pred = drafter.run_tli(pred, tc, torch.arange(S), tli_mask(masks, batch.lengths), cache_layer_offset=L - tli)
+            pred = drafter.run_tli(pred, tc, torch.arange(S), tli_mask(masks, batch.lengths))
         trained = drafter.head(pred[:, p:])
 
     state = drafter.new_state(64)
@@ -61,7 +61,11 @@ def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int
     # all at once (the prompt plus its first outputs), then one token at a time, as chain drafting does
     first = drafter.step(state, tokens[:, : p + 1], torch.arange(p + 1), None, outputs=1, target_cache=cache)
     outs = [first]
-    for j in range(p + 1, S):
+    if together:  # the rest in one step, as a client catches up on what it generated alone (TLI mask: causal)
+        cache.length = p + 1
+        outs.append(drafter.step(state, tokens[:, p + 1 :], torch.arange(p + 1, S), None, outputs=S - p - 1,
+                                 target_cache=cache))
+    for j in range(p + 1, S if not together else p + 1):
         cache.length = j if tli else cache.length
         outs.append(drafter.step(state, tokens[:, j : j + 1], torch.tensor([j]), None, outputs=1, target_cache=cache,
                                  tli_mask=torch.ones(1, j + 1, dtype=torch.bool)))

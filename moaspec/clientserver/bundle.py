@@ -1,65 +1,87 @@
 """What a client device needs, and nothing more: the client bundle.
 
-A MoA client (N = 0) runs SA and CA and reads the target's embeddings and, for the
-draft vocabulary, its ``lm_head``; it never runs a target layer. The bundle holds the
-embedding table (and ``lm_head`` only when the target does not tie it to the
-embeddings), the drafter checkpoint, the tokenizer with its chat template, and the
-target's config and weight fingerprint — for SmolLM2-135M about 75 MB in fp16,
-instead of the whole target. EAGLE and independent drafters need the same two ends and
-travel the same way. ``moaspec export-client`` writes one atomically;
-``moaspec client --bundle DIR`` runs from it.
+A MoA client runs SA and CA and reads the target's embeddings and, for the draft
+vocabulary, its ``lm_head``; with Target Layer Inference (N > 0) it also runs the
+target's last N layers and final norm on its predictions. The bundle holds exactly
+those: the embedding table (and ``lm_head`` only when the target does not tie it to the
+embeddings), the final norm, the last N blocks, the drafter checkpoint, the tokenizer
+with its chat template, and the target's config and weight fingerprint — for
+SmolLM2-135M about 75 MB in fp16 at N = 0 and 7 MB more per layer, instead of the
+whole target. EAGLE and independent drafters need the same two ends and travel the
+same way. ``moaspec export-client`` writes one atomically; ``moaspec client --bundle
+DIR`` runs from it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from moaspec.drafters.checkpoint import KINDS, read_meta
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.config import ModelConfig
 from moaspec.models.loading import LoadedModel, load_tokenizer
-from moaspec.models.transformer import TokenEnds
+from moaspec.models.packed_linear import pack_linears
+from moaspec.models.transformer import Transformer, rope_tables
 
-FORMAT = "moaspec-client-bundle/1"
+FORMAT = "moaspec-client-bundle/2"  # /1 held no norm nor blocks, under other names
+BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 
 
-class ClientTarget(TokenEnds):
-    """The target as a client sees it: embeddings and ``lm_head`` only, with the target's config and identity."""
+class ClientTarget(Transformer):
+    """The target as a client sees it: its two ends, final norm and last ``layers`` blocks, with its identity."""
 
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, lm_head: torch.Tensor | None, fingerprint: str) -> None:
-        super().__init__(cfg, device="meta")
-        self.embed.weight = nn.Parameter(embed, requires_grad=False)
-        self.lm_head.weight = self.embed.weight if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], layers: int, fingerprint: str,
+                 device: torch.device) -> None:
+        """``state`` holds ``embed.weight``, ``norm``, maybe ``lm_head.weight``, and the blocks under their
+        indices in the whole target."""
+        qkv_bias = any(k.endswith("attn.qkv.bias") for k in state)
+        first = cfg.num_layers - layers
+        with torch.device("meta"):
+            super().__init__(cfg, qkv_bias=qkv_bias, first_block=first)
+        own: dict[str, torch.Tensor] = {}
+        for name, t in state.items():
+            m = BLOCK.fullmatch(name)
+            own[f"blocks.{int(m[1]) - first}.{m[2]}" if m else name] = t.to(device, torch.float32)
+        try:
+            self.load_state_dict(own, strict=not cfg.tie_word_embeddings, assign=True)
+        except RuntimeError as exc:
+            raise MoaspecError(f"the bundle's target weights do not match its config: {str(exc).splitlines()[0]}") from None
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self.eval().requires_grad_(False)
+        pack_linears(self)
         self.fingerprint = fingerprint
 
 
 def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path:
     """Write the client bundle for ``target`` and the drafter at ``drafter_path`` to ``output``."""
     meta = read_meta(drafter_path)
-    if meta.get("kind") not in KINDS or meta.get("config", {}).get("tli_layers", 0):
-        raise MoaspecError("a client bundle holds a drafter that runs no target layer: MoA without Target Layer "
-                           "Inference (N = 0), EAGLE, or an independent drafter")
+    if meta.get("kind") not in KINDS:
+        raise MoaspecError(f"{drafter_path} holds no drafter this moaspec knows ({', '.join(KINDS)})")
     if meta.get("target", {}).get("fingerprint") != target.fingerprint:
         raise MoaspecError(f"{drafter_path} was trained for another target")
-    model = target.model
-    tensors = {"embed": model.embed.weight.detach().to(torch.float16).cpu().contiguous()}
-    if not target.cfg.tie_word_embeddings:
-        tensors["lm_head"] = model.lm_head.weight.detach().to(torch.float16).cpu().contiguous()
+    layers = int(meta.get("config", {}).get("tli_layers", 0))
+    model, L = target.model, target.cfg.num_layers
+    wanted = {"embed.weight", "norm"} | ({"lm_head.weight"} if not target.cfg.tie_word_embeddings else set())
+    tensors = {name: t.detach().to(torch.float16).cpu().contiguous() for name, t in model.state_dict().items()
+               if name in wanted or ((m := BLOCK.fullmatch(name)) and int(m[1]) >= L - layers)}
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "target.safetensors"))
         shutil.copytree(drafter_path, tmp / "drafter")
         target.tokenizer.save_pretrained(str(tmp / "tokenizer"))  # type: ignore[attr-defined]
         info = {"format": FORMAT, "config": target.cfg.to_dict(), "fingerprint": target.fingerprint,
-                "source": target.path.name}
+                "source": target.path.name, "target_layers": layers}
         (tmp / "bundle.json").write_text(json.dumps(info, indent=2) + "\n")
 
     atomic_write_dir(output, write)
@@ -75,7 +97,8 @@ def load_bundle(path: str | Path, device: str | None = None) -> LoadedModel:
         raise MoaspecError(f"{path} is not a client bundle (no readable bundle.json); make one with "
                            "`moaspec export-client`") from None
     if info.get("format") != FORMAT:
-        raise MoaspecError(f"{path} holds a client bundle of format {info.get('format')!r}; this moaspec reads {FORMAT}")
+        raise MoaspecError(f"{path} holds a client bundle of format {info.get('format')!r}; this moaspec reads {FORMAT}: "
+                           "export it again with `moaspec export-client`")
     raw = dict(info["config"])
     raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
     cfg = ModelConfig(**raw)
@@ -83,11 +106,11 @@ def load_bundle(path: str | Path, device: str | None = None) -> LoadedModel:
         tensors = load_file(str(path / "target.safetensors"))
     except (OSError, ValueError) as exc:
         raise MoaspecError(f"cannot read {path / 'target.safetensors'}: {exc}") from None
-    dev = torch.device(device or "cpu")
-    embed = tensors["embed"].to(dev, torch.float32)
-    head = tensors["lm_head"].to(dev, torch.float32) if "lm_head" in tensors else None
-    stub = ClientTarget(cfg, embed, head, info["fingerprint"]).eval()
-    return LoadedModel(model=stub, tokenizer=load_tokenizer(path / "tokenizer"), cfg=cfg, path=path)  # type: ignore[arg-type]
+    layers = int(info.get("target_layers", 0))
+    if not 0 <= layers < cfg.num_layers:
+        raise MoaspecError(f"{path}: target_layers must be in 0..{cfg.num_layers - 1}, got {layers}")
+    stub = ClientTarget(cfg, tensors, layers, info["fingerprint"], torch.device(device or "cpu"))
+    return LoadedModel(model=stub, tokenizer=load_tokenizer(path / "tokenizer"), cfg=cfg, path=path)
 
 
 def bundle_drafter(path: str | Path) -> Path:

@@ -42,6 +42,7 @@ from moaspec.drafters.independent import IndependentDrafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer
 from moaspec.errors import MoaspecError
+from moaspec.models.kv_cache import KVCache
 
 GREEDY = SamplingParams()
 PieceKind = str  # "target" (the target's own token), "draft" (an accepted draft), "unverified"
@@ -101,9 +102,9 @@ class RemoteTarget:
     def info(self) -> dict[str, Any]:
         return self._request("GET", "/info")
 
-    def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int) -> dict[str, Any]:
-        return self._request("POST", "/sessions", {"prompt": list(prompt), "state": kind, "state_format": fmt,
-                                                   "max_new_tokens": max_new_tokens})
+    def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int, layers: int = 0) -> dict[str, Any]:
+        body = {"prompt": list(prompt), "state": kind, "state_format": fmt, "max_new_tokens": max_new_tokens}
+        return self._request("POST", "/sessions", {**body, "target_layers": layers} if layers else body)
 
     def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None) -> dict[str, Any]:
         return self._request("POST", f"/sessions/{session}/verify", {"verified": verified, "draft": list(draft)}, retries)
@@ -127,13 +128,31 @@ class _View:
 
 
 class SplitMoAProposer(MoAProposer):
-    """A MoA proposer whose memory entries arrive from the server instead of being computed here."""
+    """A MoA proposer whose memory entries arrive from the server instead of being computed here.
+
+    With Target Layer Inference (N > 0) the client runs its copy of the target's last N
+    layers: their K/V for verified tokens arrive with the memory entries and fill a
+    cache of N layers, which drafted tokens extend as they would the target's.
+    """
 
     state_kind = "moa"
+    tli: KVCache | None = None
+
+    @property
+    def layers(self) -> int:
+        """How many of the target's last layers' K/V this client needs from the server."""
+        return self.drafter.cfg.tli_layers
 
     def _begin(self, hidden: torch.Tensor | None) -> None:
         assert self.cache is not None
         self.state = self.drafter.new_state(self.cache.capacity)
+        if self.layers:
+            cfg, target = self.drafter.target.cfg, self.drafter.target
+            self.tli = KVCache(self.layers, cfg.num_kv_heads, cfg.head_dim, self.cache.capacity, 1, target.dtype,
+                               target.device)
+
+    def _tli_cache(self) -> Any:
+        return self.tli if self.tli is not None else self.cache
 
     def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
         assert self.state is not None
@@ -147,6 +166,23 @@ class SplitMoAProposer(MoAProposer):
             raise MoaspecError(f"memory entries from position {start} leave a gap after {have}")
         if start + entries.shape[0] > have:
             self.drafter.remember(self.state, have, entries[have - start:])
+
+    def receive_layers(self, start: int, kv: torch.Tensor) -> None:
+        """The last N layers' K/V for positions ``start..``: ``[T * N, 2 * kv_dim]`` rows, token-major."""
+        assert self.tli is not None
+        cfg, n = self.drafter.target.cfg, self.layers
+        if kv.shape[1] != 2 * cfg.kv_dim or kv.shape[0] % n:
+            raise MoaspecError(f"the server sent target-layer K/V of shape {list(kv.shape)}; this client runs the "
+                               f"last {n} layers and needs rows of {2 * cfg.kv_dim}, {n} per token")
+        have, T = self.tli.length, kv.shape[0] // n
+        if start > have:
+            raise MoaspecError(f"target-layer K/V from position {start} leave a gap after {have}")
+        kv = kv.view(T, n, 2, cfg.num_kv_heads, cfg.head_dim).permute(2, 1, 3, 0, 4)[:, :, :, have - start :]
+        end = start + T
+        if end > have:
+            self.tli.keys[:, 0, :, have:end] = kv[0].to(self.tli.keys.dtype)
+            self.tli.values[:, 0, :, have:end] = kv[1].to(self.tli.values.dtype)
+            self.tli.length = end
 
 
 class SplitEagleProposer(EagleProposer):
@@ -197,8 +233,6 @@ SPLIT_PROPOSERS: dict[type[Drafter], Callable[[Any], SplitProposer]] = {
 
 def split_proposer(drafter: Drafter) -> SplitProposer:
     """A fresh client-side proposer for ``drafter`` (one per generation)."""
-    if isinstance(drafter, MoADrafter) and drafter.cfg.tli_layers:
-        raise MoaspecError("client–server decoding needs a MoA drafter without Target Layer Inference (N = 0)")
     proposer = SPLIT_PROPOSERS.get(type(drafter))
     if proposer is None:
         raise MoaspecError(f"no client–server proposer for {type(drafter).__name__}")
@@ -267,11 +301,17 @@ class SplitGeneration:
         state = answer.get("state")
         if state is None:
             raise MoaspecError(f"the server sent no {self.proposer.state_kind} state for this session")
+        if isinstance(self.proposer, SplitMoAProposer) and self.proposer.layers:
+            if answer.get("layers") is None:
+                raise MoaspecError("the server sent no K/V of the target layers this drafter runs")
+            self.state_bytes += codec.payload_bytes(answer["layers"])
+            self.proposer.receive_layers(start, codec.decode(answer["layers"]))
         self.state_bytes += codec.payload_bytes(state)
         self.proposer.receive(start, codec.decode(state))
 
     def _open(self, prompt: Sequence[int], budget: int) -> int:
-        answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget)
+        layers = self.proposer.layers if isinstance(self.proposer, SplitMoAProposer) else 0
+        answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers)
         self.session = answer["session"]
         self._take_state(answer, 0)
         return int(answer["token"])

@@ -6,7 +6,10 @@ one target forward (greedy) and returns how many drafts were accepted, the targe
 own next token, and the *state* of the newly verified tokens — for MoA the Layer
 Self-Attention memory entries (one d-sized vector per token, computed here next to
 the target's K/V of every layer, so all layers' K/V never travel); for EAGLE the
-target's final hidden states. Requests are checked before any work; a retried
+target's final hidden states. A client running the target's last N layers itself (a
+MoA drafter with Target Layer Inference) also asks for those layers' K/V of the newly
+verified tokens (``layers``, 2·kv_dim values per token and layer), which its copies of
+the layers attend to. Requests are checked before any work; a retried
 verification (its response was lost) gets the same answer again instead of
 advancing twice.
 """
@@ -45,10 +48,17 @@ def state_kinds(moa: MoADrafter | None) -> dict[str, StateFn | None]:
     none (an independent drafter) always; MoA's when it holds the server half of a MoA drafter."""
     kinds: dict[str, StateFn | None] = {"eagle": lambda cache, start, end, hidden: hidden, "none": None}
     if moa is not None:
-        if moa.cfg.tli_layers:
-            raise SessionError(400, "client–server decoding supports MoA drafters without Target Layer Inference (N = 0)")
         kinds["moa"] = moa.memory_entries
     return kinds
+
+
+def last_layers_kv(cache: KVCache, start: int, end: int, layers: int) -> torch.Tensor:
+    """The last ``layers`` layers' K/V of positions ``start..end-1``: ``[T * layers, 2 * kv_dim]``, token-major.
+
+    One row per (token, layer), K heads then V heads, so int8 gives each its own scale.
+    """
+    kv = cache.token_kv(start, end)[0, :, cache.num_layers - layers :]  # [T, layers, 2 * kv_dim]
+    return kv.reshape(-1, kv.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class Session:
     tokens: list[int]  # prompt + verified tokens; the newest has no K/V in the cache yet
     kind: str
     fmt: str
+    layers: int  # the last layers whose K/V the client asked for (Target Layer Inference)
     expires: float
     lock: threading.Lock = field(default_factory=threading.Lock)
     last: tuple[int, tuple[int, ...], dict[str, Any]] | None = None  # (verified, draft, answer) for retries
@@ -88,7 +99,7 @@ class SessionStore:
         lim = self.limits
         return {"states": sorted(self._kinds), "state_width": self.width, "formats": list(codec.FORMATS),
                 "vocab_size": self.target.cfg.vocab_size, "fingerprint": self.target.fingerprint,
-                "moa_drafter": self.moa_fingerprint,
+                "moa_drafter": self.moa_fingerprint, "max_target_layers": self.target.cfg.num_layers - 1,
                 "max_sessions": lim.max_sessions, "max_prompt_tokens": lim.max_prompt_tokens,
                 "max_new_tokens": lim.max_new_tokens, "max_draft": lim.max_draft, "ttl_s": lim.ttl_s,
                 "open_sessions": len(self._sessions)}
@@ -105,14 +116,21 @@ class SessionStore:
         if bad is not None:
             raise SessionError(400, f"{what} holds token id {bad}, outside the vocabulary [0, {vocab})")
 
-    def _state_of(self, s: Session, start: int, end: int, hidden: torch.Tensor) -> dict[str, Any] | None:
+    def _state_of(self, s: Session, start: int, end: int, hidden: torch.Tensor) -> dict[str, Any]:
+        """The answer's ``state`` (and ``layers``) for the newly verified positions ``start..end-1``."""
         fn = self._kinds[s.kind]
-        return None if fn is None else codec.encode(fn(s.cache, start, end, hidden), s.fmt)
+        out: dict[str, Any] = {"state": None if fn is None else codec.encode(fn(s.cache, start, end, hidden), s.fmt)}
+        if s.layers:
+            out["layers"] = codec.encode(last_layers_kv(s.cache, start, end, s.layers), s.fmt)
+        return out
 
     @torch.inference_mode()
     def open(self, prompt: Sequence[int], kind: str = "moa", fmt: str = "fp16",
-             max_new_tokens: int | None = None) -> dict[str, Any]:
-        """Prefill ``prompt``; answer the session id, the first token and the prompt's state."""
+             max_new_tokens: int | None = None, layers: int = 0) -> dict[str, Any]:
+        """Prefill ``prompt``; answer the session id, the first token and the prompt's state.
+
+        ``layers``: how many of the target's last layers' K/V to send with every state.
+        """
         lim = self.limits
         if not prompt:
             raise SessionError(400, "the prompt is empty")
@@ -124,6 +142,8 @@ class SessionStore:
             raise SessionError(400, f"this server sends {', '.join(sorted(self._kinds))} states, not {kind!r}")
         if fmt not in codec.FORMATS:
             raise SessionError(400, f"state_format must be one of {', '.join(codec.FORMATS)}")
+        if not 0 <= layers < self.target.cfg.num_layers:
+            raise SessionError(400, f"target_layers must be in 0..{self.target.cfg.num_layers - 1}, got {layers}")
         self._check_ids(prompt, "the prompt")
         budget = min(max_new_tokens or lim.max_new_tokens, lim.max_new_tokens, context - len(prompt))
         self._expire()
@@ -132,7 +152,7 @@ class SessionStore:
                 raise SessionError(503, f"the server holds its maximum of {lim.max_sessions} sessions; retry later")
             sid = secrets.token_urlsafe(16)
             cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
-            s = Session(sid, cache, list(prompt), kind, fmt, time.monotonic() + lim.ttl_s)
+            s = Session(sid, cache, list(prompt), kind, fmt, layers, time.monotonic() + lim.ttl_s)
             self._sessions[sid] = s
         try:
             with s.lock:
@@ -145,7 +165,7 @@ class SessionStore:
             with self._lock:  # a failed prefill must not hold a place until its TTL
                 self._sessions.pop(sid, None)
             raise
-        return {"session": sid, "token": first, "verified": len(s.tokens), "state": state,
+        return {"session": sid, "token": first, "verified": len(s.tokens), **state,
                 "capacity": cache.capacity, "expires_in_s": lim.ttl_s}
 
     def _get(self, sid: str) -> Session:
@@ -178,7 +198,7 @@ class SessionStore:
             cache.truncate(start + 1 + verdict.accepted)
             s.tokens += list(draft[: verdict.accepted]) + [verdict.next_token]
             answer = {"accepted": verdict.accepted, "token": verdict.next_token, "verified": len(s.tokens),
-                      "state": self._state_of(s, start, cache.length, out.hidden[0, : verdict.accepted + 1])}
+                      **self._state_of(s, start, cache.length, out.hidden[0, : verdict.accepted + 1])}
             s.last = (verified, tuple(draft), answer)
             return answer
 

@@ -169,12 +169,20 @@ class MoADrafter(Drafter):
         f = self.ca.cross_attention(s, cos, sin, mem_k, mem_v, mask)
         return self.out_norm(f) if self.out_norm is not None else f
 
-    def run_tli(self, state: torch.Tensor, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor | None,
-                cache_layer_offset: int = 0) -> torch.Tensor:
-        """Target Layer Inference: the target's last N layers, then its final norm, on predicted states."""
+    def run_tli(self, state: torch.Tensor, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Target Layer Inference: the target's last N layers, then its final norm, on predicted states.
+
+        ``cache`` holds either every target layer or only the last ``cache.num_layers`` of
+        them (a client's, or training's): its K/V for the preceding positions are what
+        these layers attend to.
+        """
         target = self.target
-        first = target.cfg.num_layers - self.cfg.tli_layers
-        h, _ = target.run_blocks(state, cache, positions, mask, first=first, cache_layer_offset=cache_layer_offset)
+        L = target.cfg.num_layers
+        if cache.num_layers < self.cfg.tli_layers:
+            raise ValueError(f"Target Layer Inference over {self.cfg.tli_layers} layers needs their caches; "
+                             f"this cache holds {cache.num_layers}")
+        h, _ = target.run_blocks(state, cache, positions, mask, first=L - self.cfg.tli_layers,
+                                 cache_layer_offset=L - cache.num_layers)
         return target.final_norm(h)
 
     # --- training -----------------------------------------------------------------------
@@ -254,5 +262,8 @@ class MoADrafter(Drafter):
         if self.cfg.tli_layers:
             if target_cache is None:
                 raise ValueError("a drafter with Target Layer Inference needs the target's cache")
+            if tli_mask is None and outputs > 1:
+                n = target_cache.length
+                tli_mask = torch.ones(outputs, n + outputs, dtype=torch.bool, device=tokens.device).tril(n)
             f = self.run_tli(f, target_cache, positions[..., T - outputs :], tli_mask)
         return self.head(f)

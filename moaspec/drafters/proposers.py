@@ -212,14 +212,36 @@ class MoAProposer(DrafterProposer):
         assert self.state is not None and self.cache is not None
         return min(self.state.sa.capacity, self.cache.capacity)
 
+    def _tli_cache(self) -> Any:
+        """The cache Target Layer Inference attends over and writes drafted slots into: the target's."""
+        return self.cache
+
+    def _catch_up(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed SA every token it has not seen; TLI runs on each of them that has no target K/V yet.
+
+        On one device that is the newest token alone. A client that generated while the
+        server was unreachable also holds tokens the target never saw: the last N layers
+        need the drafter's states for them, as for drafts.
+        """
+        assert self.state is not None
+        start = self.state.sa.length
+        outputs = 1
+        if self.drafter.cfg.tli_layers:
+            outputs = max(1, len(tokens) - max(start, self._tli_cache().length))
+        feed = torch.tensor([list(tokens[start:])], device=self.device)
+        logits, _ = self._feed(feed, torch.arange(start, len(tokens), device=self.device), None, None, outputs)
+        return logits[-1:], None
+
     def _feed(self, tokens, positions, mask, parent_features, outputs):  # type: ignore[no-untyped-def]
         assert self.state is not None and self.cache is not None
-        verified = self.cache.length
-        self.cache.length = self.state.sa.length + tokens.shape[1] - outputs  # TLI writes the outputs' slots here
+        tli = self._tli_cache()
+        verified = tli.length
+        tli.length = self.state.sa.length + tokens.shape[1] - outputs  # TLI writes the outputs' slots here
         try:
-            logits = self.drafter.step(self.state, tokens, positions, mask, outputs, self.cache, tli_mask=mask)
+            logits = self.drafter.step(self.state, tokens, positions, mask, outputs, tli,
+                                       tli_mask=None if mask is None else mask[-outputs:])
         finally:
-            self.cache.length = verified  # the target's verified length is unchanged by drafting
+            tli.length = verified  # the target's verified length is unchanged by drafting
         return logits[0], None
 
     def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:

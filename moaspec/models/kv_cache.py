@@ -45,6 +45,10 @@ class KVCache:
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, batch_size, dtype, device)
 
     @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
     def capacity(self) -> int:
         return self.keys.shape[3]
 

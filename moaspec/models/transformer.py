@@ -127,22 +127,28 @@ class ForwardOutput:
     layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-class TokenEnds(nn.Module):
-    """A model's two ends: the embedding table in, ``lm_head`` out (tied or not), its config and identity.
-
-    Everything a MoA drafter without Target Layer Inference borrows from its target, so a
-    client device can hold just this (:mod:`moaspec.clientserver.bundle`).
-    """
+class Transformer(nn.Module):
+    """A Llama/Qwen2/Mistral decoder with explicit positions, masks and cache control."""
 
     fingerprint: str = ""  # identity of the weights it was loaded from (set by the loader)
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, first_block: int = 0) -> None:
+        """``first_block > 0`` holds only the last ``L - first_block`` blocks (``blocks[j]`` is block
+        ``first_block + j``): what a client needs to run Target Layer Inference, not a whole model."""
         super().__init__()
+        if not 0 <= first_block <= cfg.num_layers:
+            raise ValueError(f"first_block must be in 0..{cfg.num_layers}, got {first_block}")
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.first_block = first_block
+        self.blocks = nn.ModuleList(Block(cfg, qkv_bias) for _ in range(first_block, cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
     def device(self) -> torch.device:
@@ -151,18 +157,6 @@ class TokenEnds(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
-
-
-class Transformer(TokenEnds):
-    """A Llama/Qwen2/Mistral decoder with explicit positions, masks and cache control."""
-
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
-        super().__init__(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, qkv_bias) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
     def new_cache(self, capacity: int | None = None, batch_size: int = 1) -> KVCache:
         """A cache for this model; ``capacity`` defaults to the whole context window."""
@@ -195,6 +189,8 @@ class Transformer(TokenEnds):
         advance ``cache.length``: the caller does, once, after all blocks ran.
         """
         last = self.cfg.num_layers if last is None else last
+        if first < self.first_block:
+            raise ValueError(f"this model holds blocks {self.first_block}.. only, not block {first}")
         cos, sin = self.rope(positions)
         start = cache.length
         if mask is not None and mask.dim() == 2:
@@ -206,7 +202,7 @@ class Transformer(TokenEnds):
             captured[first] = h
         for i in range(first, last):
             c = i - cache_layer_offset
-            h = self.blocks[i](h, cos, sin, cache.keys[c], cache.values[c], start, mask)
+            h = self.blocks[i - self.first_block](h, cos, sin, cache.keys[c], cache.values[c], start, mask)
             if i + 1 in hidden_after:
                 captured[i + 1] = h
         return h, captured

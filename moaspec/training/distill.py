@@ -134,8 +134,7 @@ def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, mask
     true_kv = tgt.token_kv[:, :, L - N :].reshape(B, S, N, 2, H, D).permute(3, 2, 0, 4, 1, 5)
     cache.keys[:, :, :, :S], cache.values[:, :, :, :S] = true_kv[0], true_kv[1]
     cache.length = S
-    final = drafter.run_tli(pred, cache, torch.arange(S, device=device), tli_mask(masks, batch.lengths).to(device),
-                            cache_layer_offset=L - N)
+    final = drafter.run_tli(pred, cache, torch.arange(S, device=device), tli_mask(masks, batch.lengths).to(device))
     return [final[sel], pred[sel]], [tgt.final[sel], tgt.layer[sel]]
 
 
