@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle client–server session expires")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the one shipped for the target)")
+    s.add_argument("--remote-drafter", action="append", default=[], metavar="DIR",
+                   help="another MoA drafter whose server half (LSA) serves client–server clients, e.g. one with "
+                        "another --tli-layers (repeatable)")
     s.add_argument("--no-draft", action="store_true", help="plain decoding")
     s.add_argument("--chain", type=int, default=_default_chain(), metavar="T", help="drafts per target forward (chain drafting)")
     s.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
@@ -166,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
     c.add_argument("--api-key", default=None, help="bearer token (default: $MOASPEC_API_KEY)")
     c.add_argument("--system", default=None, help="system message")
-    c.add_argument("--drafter", default=None, help="MoA (N = 0), EAGLE or independent drafter (default: the MoA one shipped for the target)")
+    c.add_argument("--drafter", default=None, help="MoA (any N), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     c.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
                    help=f"drafts per verification (default {_default_chain()}, as for generate)")
     c.add_argument("--lookup", type=int, default=_default_lookup(), metavar="N",
@@ -188,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export-client", help="write what a client device needs: embeddings, drafter, tokenizer, and the last N layers for a TLI drafter (not the whole target)")
     e.add_argument("--output", required=True, help="directory for the bundle (written atomically)")
-    e.add_argument("--drafter", default=None, help="MoA (N = 0), EAGLE or independent drafter (default: the MoA one shipped for the target)")
+    e.add_argument("--drafter", default=None, help="MoA (any N), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     _add_model_options(e)
 
     h = sub.add_parser("export-hf", help="write an independent drafter as a standalone transformers model directory")
@@ -212,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--chain", type=int, default=_default_chain(), help=f"drafts per verification (default {_default_chain()})")
     bc.add_argument("--state-format", choices=("fp16", "int8"), default="fp16")
     bc.add_argument("--disconnect-after", type=int, default=32, help="cut the link after K verified tokens (0: no study)")
+    bc.add_argument("--disconnect-drafters", default="", metavar="DIR[,DIR]",
+                    help="more MoA drafters (one per N, e.g. --tli-layers 1) for the disconnection study")
     bc.add_argument("--continue-tokens", type=int, default=128, help="tokens the client generates alone after the cut")
     bc.add_argument("--port", type=int, default=8790, help="port for the server this command starts")
     bc.add_argument("--no-progress", action="store_true")
@@ -438,10 +443,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     moa = engine.strategy.drafter
     if moa is None and (path := args.drafter or shipped_drafter(loaded)):  # --no-draft: remote clients still draft
         moa = load_drafter(path, loaded)
-    if not isinstance(moa, MoADrafter):
-        moa = None  # remote MoA clients are refused: no LSA half here
+    moas = [moa] if isinstance(moa, MoADrafter) else []  # none: remote MoA clients are refused, no LSA half here
+    for path in args.remote_drafter:
+        more = load_drafter(path, loaded)
+        if not isinstance(more, MoADrafter):
+            raise MoaspecError(f"--remote-drafter {path} is not a MoA drafter (EAGLE and independent clients need "
+                               "no server half)")
+        moas.append(more)
     limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
-    sessions = SessionStore(loaded, moa, limits)
+    sessions = SessionStore(loaded, moas, limits)
     name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()
     api_key = args.api_key or os.environ.get("MOASPEC_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
@@ -501,9 +511,9 @@ def cmd_client(args: argparse.Namespace) -> int:
     if path is None:
         raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
     drafter = load_drafter(path, loaded)
-    if isinstance(drafter, MoADrafter) and info.get("moa_drafter") != drafter.fingerprint():
-        raise MoaspecError("the server holds a different MoA drafter (or none): start it with the same --drafter "
-                           "as this client, whose server half (LSA) makes the memory this client reads")
+    if isinstance(drafter, MoADrafter) and drafter.fingerprint() not in info.get("moa_drafters", []):
+        raise MoaspecError("the server holds a different MoA drafter (or none): start it with this client's drafter "
+                           "(--drafter or --remote-drafter), whose server half (LSA) makes the memory this client reads")
     colours = {"draft": DRAFT_COLOUR, "unverified": UNVERIFIED_COLOUR, "target": ""}
 
     def piece(text: str, kind: str) -> None:
@@ -606,6 +616,11 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     if path is None:
         raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
     drafters = {"moa": require_drafter(str(path), MoADrafter, "moa", loaded)}
+    more = [(p, require_drafter(p, MoADrafter, "the disconnection study", loaded))
+            for p in (p.strip() for p in args.disconnect_drafters.split(",")) if p]
+    depths = [d.cfg.tli_layers for d in ([drafters["moa"]] if "moa" in methods else []) + [d for _, d in more]]
+    if len(set(depths)) < len(depths):
+        raise MoaspecError(f"--disconnect-drafters: one MoA drafter per N (Target Layer Inference depth); got N = {depths}")
     for method, where, kind in (("eagle2", args.eagle_drafter, EagleDrafter),
                                 ("independent", args.independent_drafter, IndependentDrafter)):
         if method in methods:
@@ -613,7 +628,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     summary = run_bench_cs(loaded, drafters, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
                            Path(args.output), chain=args.chain, lookup=args.lookup, fmt=args.state_format,
                            disconnect_after=args.disconnect_after, continue_tokens=args.continue_tokens, port=args.port,
-                           model_spec=args.model, drafter_path=str(path), progress=not args.no_progress)
+                           model_spec=args.model, drafter_path=str(path), more_moa=more, progress=not args.no_progress)
     print(table(summary))
     print(f"summary.json in {args.output}")
     return 0

@@ -185,6 +185,25 @@ def test_a_tli_client_generates_alone_and_is_lossless_once_the_server_is_back(ti
     assert result.token_ids == vanilla(tiny_llama, 40)
 
 
+def test_one_server_serves_clients_of_several_moa_drafters(tiny_llama, drafter, tli_drafter) -> None:  # type: ignore[no-untyped-def]
+    """An N = 0 and an N = 1 client share one server; each session's memory comes from its own drafter's LSA."""
+    with running(make_app(tiny_llama, [drafter, tli_drafter])) as url:
+        for d in (drafter, tli_drafter):
+            assert split(tiny_llama, d, url, 24, draft_len=3).token_ids == vanilla(tiny_llama, 24)
+        remote = RemoteTarget(url, KEY, retries=0)
+        assert set(remote.info()["moa_drafters"]) == {drafter.fingerprint(), tli_drafter.fingerprint()}
+        answer = remote.open(PROMPT, "moa", "fp16", 8, drafter=tli_drafter.fingerprint())
+        cache = tiny_llama.model.new_cache(64)
+        tiny_llama.model(torch.tensor([PROMPT]), cache)
+        local = tli_drafter.memory(cache.token_kv(0, len(PROMPT)))[0]
+        assert torch.allclose(codec.decode(answer["state"]), local, atol=2e-3 * local.abs().max().item())
+        with pytest.raises(ServerRefused, match="several MoA drafters"):
+            remote.open(PROMPT, "moa", "fp16", 8)
+        with pytest.raises(ServerRefused, match="does not hold the MoA drafter"):
+            remote.open(PROMPT, "moa", "fp16", 8, drafter="0123456789abcdef")
+        remote.shutdown()
+
+
 def test_a_tli_client_runs_from_its_bundle(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """The bundle of an N = 1 drafter carries the target's last block and final norm, and nothing of the rest."""
     import json as jsonlib
@@ -446,9 +465,12 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     args = ["bench-cs", "--questions", str(tmp_path / "q.jsonl"), "--model", str(tiny_dirs["llama"]), "--drafter", str(path),
             "--profiles", "lan,5g", "--max-new-tokens", "8", "--disconnect-after", "3", "--continue-tokens", "4",
             "--port", str(port), "--output", str(tmp_path / "out"), "--no-progress"]
+    tli = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg, tli_layers=1)), tmp_path / "tli",
+                       target_identity(tiny_llama))
     assert main([*args, "--methods", "moa,moa-pld,independent,api", "--independent-drafter", str(independent),
-                 "--lookup", "4"]) == 0
+                 "--lookup", "4", "--disconnect-drafters", str(tli)]) == 0
     summary = jsonlib.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["disconnect"]["moa"]["N=1"]["perplexity"] > 1  # the N = 1 drafter, on the same server
     assert summary["disconnect"]["independent"]["chain"]["perplexity"] > 1
     assert "moa-pld" not in summary["disconnect"] and summary["setup"]["lookup"] == 4  # offline, moa-pld is moa
     for profile in ("lan", "5g"):
@@ -463,6 +485,8 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     assert main([*args[:-3], "--methods", "independent", "--independent-drafter", str(path), "--output", str(tmp_path / "o4")]) == 2
     assert "not a drafter of the kind independent needs" in capsys.readouterr().err
     assert main([*args[:-3], "--profiles", "3g", "--output", str(tmp_path / "o3")]) == 2
+    assert main([*args[:-3], "--disconnect-drafters", str(path), "--output", str(tmp_path / "o6")]) == 2
+    assert "one MoA drafter per N" in capsys.readouterr().err
     assert main([*args[:-3], "--lookup", "0", "--output", str(tmp_path / "o5")]) == 2
     assert "--lookup" in capsys.readouterr().err
 

@@ -56,11 +56,14 @@ LOOKUP_METHODS = {"moa-pld": "moa"}  # method → the drafter method it adds pro
 class ServerProcess:
     """``moaspec serve`` as a child process on its own core, until closed."""
 
-    def __init__(self, port: int, model: str | None, drafter: str | None, core: int | None) -> None:
+    def __init__(self, port: int, model: str | None, drafter: str | None, core: int | None,
+                 remote_drafters: Sequence[str] = ()) -> None:
         cmd = [sys.executable, "-m", "moaspec.cli", "serve", "--port", str(port), "--no-draft", "--threads", "1",
                "--log-level", "warning", "--parallel", "1"]
         cmd += ["--model", model] if model else []
         cmd += ["--drafter", drafter] if drafter else []
+        for path in remote_drafters:
+            cmd += ["--remote-drafter", path]
         if core is not None:
             cmd = ["taskset", "-c", str(core), *cmd]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -164,10 +167,13 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
                  methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, lookup: int = 10,
                  fmt: str = "fp16",
                  disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
-                 model_spec: str | None = None, drafter_path: str | None = None, progress: bool = True) -> dict[str, Any]:
+                 model_spec: str | None = None, drafter_path: str | None = None,
+                 more_moa: Sequence[tuple[str, Drafter]] = (), progress: bool = True) -> dict[str, Any]:
     """``drafters`` maps each drafter method (moa, eagle2, independent) to its drafter; api is server-side.
 
     ``lookup`` is the most prompt-lookup drafts per verification of the ``-pld`` methods.
+    ``more_moa`` (path, drafter): further MoA drafters, e.g. other N, that the
+    disconnection study runs too (labelled by N, like the main one).
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -177,7 +183,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     drafters = {m: d for m, d in drafters.items() if m in {LOOKUP_METHODS.get(c, c) for c in clients}}
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
-    server = ServerProcess(port, model_spec, drafter_path, cores[1] if pinned else None)
+    server = ServerProcess(port, model_spec, drafter_path, cores[1] if pinned else None, [p for p, _ in more_moa])
     if pinned:
         os.sched_setaffinity(0, {cores[0]})
         torch.set_num_threads(1)
@@ -214,7 +220,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
             summary["profiles"][profile.name] = {m: _aggregate(r) for m, r in rows.items()}
         bar.close()
         if disconnect_after > 0:
-            for m, d in drafters.items():
+            for m, d in [*drafters.items(), *(("moa", d) for _, d in more_moa)]:
                 results = [_disconnect(target, d, upstream, profiles[0], ids, disconnect_after, continue_tokens, chain,
                                        fmt, i) for i, (_, ids) in enumerate(tqdm(prompts, disable=not progress,
                                                                                  desc=f"disconnect {m}"))]

@@ -15,7 +15,6 @@ DIR`` runs from it.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,43 +23,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moaspec.drafters.checkpoint import KINDS, read_meta
-from moaspec.errors import MoaspecError
+from moaspec.errors import ModelLoadError, MoaspecError
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.config import ModelConfig
-from moaspec.models.loading import LoadedModel, load_tokenizer
-from moaspec.models.packed_linear import pack_linears
-from moaspec.models.transformer import Transformer, rope_tables
+from moaspec.models.loading import BLOCK_NAME, LoadedModel, assemble, load_tokenizer
 
 FORMAT = "moaspec-client-bundle/2"  # /1 held no norm nor blocks, under other names
-BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
-
-
-class ClientTarget(Transformer):
-    """The target as a client sees it: its two ends, final norm and last ``layers`` blocks, with its identity."""
-
-    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], layers: int, fingerprint: str,
-                 device: torch.device) -> None:
-        """``state`` holds ``embed.weight``, ``norm``, maybe ``lm_head.weight``, and the blocks under their
-        indices in the whole target."""
-        qkv_bias = any(k.endswith("attn.qkv.bias") for k in state)
-        first = cfg.num_layers - layers
-        with torch.device("meta"):
-            super().__init__(cfg, qkv_bias=qkv_bias, first_block=first)
-        own: dict[str, torch.Tensor] = {}
-        for name, t in state.items():
-            m = BLOCK.fullmatch(name)
-            own[f"blocks.{int(m[1]) - first}.{m[2]}" if m else name] = t.to(device, torch.float32)
-        try:
-            self.load_state_dict(own, strict=not cfg.tie_word_embeddings, assign=True)
-        except RuntimeError as exc:
-            raise MoaspecError(f"the bundle's target weights do not match its config: {str(exc).splitlines()[0]}") from None
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-        self.eval().requires_grad_(False)
-        pack_linears(self)
-        self.fingerprint = fingerprint
 
 
 def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path:
@@ -74,7 +42,7 @@ def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path
     model, L = target.model, target.cfg.num_layers
     wanted = {"embed.weight", "norm"} | ({"lm_head.weight"} if not target.cfg.tie_word_embeddings else set())
     tensors = {name: t.detach().to(torch.float16).cpu().contiguous() for name, t in model.state_dict().items()
-               if name in wanted or ((m := BLOCK.fullmatch(name)) and int(m[1]) >= L - layers)}
+               if name in wanted or ((m := BLOCK_NAME.fullmatch(name)) and int(m[1]) >= L - layers)}
 
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "target.safetensors"))
@@ -109,8 +77,12 @@ def load_bundle(path: str | Path, device: str | None = None) -> LoadedModel:
     layers = int(info.get("target_layers", 0))
     if not 0 <= layers < cfg.num_layers:
         raise MoaspecError(f"{path}: target_layers must be in 0..{cfg.num_layers - 1}, got {layers}")
-    stub = ClientTarget(cfg, tensors, layers, info["fingerprint"], torch.device(device or "cpu"))
-    return LoadedModel(model=stub, tokenizer=load_tokenizer(path / "tokenizer"), cfg=cfg, path=path)
+    try:
+        model = assemble(cfg, tensors, torch.device(device or "cpu"), torch.float32, info["fingerprint"],
+                         first_block=cfg.num_layers - layers)
+    except ModelLoadError as exc:
+        raise MoaspecError(f"{path}: the bundle's target weights do not fit it: {exc}") from None
+    return LoadedModel(model=model, tokenizer=load_tokenizer(path / "tokenizer"), cfg=cfg, path=path)
 
 
 def bundle_drafter(path: str | Path) -> Path:

@@ -102,9 +102,15 @@ class RemoteTarget:
     def info(self) -> dict[str, Any]:
         return self._request("GET", "/info")
 
-    def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int, layers: int = 0) -> dict[str, Any]:
-        body = {"prompt": list(prompt), "state": kind, "state_format": fmt, "max_new_tokens": max_new_tokens}
-        return self._request("POST", "/sessions", {**body, "target_layers": layers} if layers else body)
+    def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int, layers: int = 0,
+             drafter: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"prompt": list(prompt), "state": kind, "state_format": fmt,
+                                "max_new_tokens": max_new_tokens}
+        if layers:
+            body["target_layers"] = layers
+        if drafter:
+            body["drafter"] = drafter
+        return self._request("POST", "/sessions", body)
 
     def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None) -> dict[str, Any]:
         return self._request("POST", f"/sessions/{session}/verify", {"verified": verified, "draft": list(draft)}, retries)
@@ -281,6 +287,8 @@ class SplitGeneration:
                  on_piece: Callable[[str, PieceKind], None] | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:
         split_proposer(drafter)  # refuse an unsupported drafter now rather than mid-generation
+        # a server may hold several MoA drafters' server halves: the client names its own
+        self.fingerprint = drafter.fingerprint() if isinstance(drafter, MoADrafter) else None
         self.drafter, self.tokenizer, self.remote = drafter, tokenizer, remote
         self.eos, self.draft_len, self.fmt, self.max_draft, self.retry_every = eos, draft_len, fmt, max_draft, retry_every
         self.on_piece, self.on_event = on_piece, on_event
@@ -311,7 +319,7 @@ class SplitGeneration:
 
     def _open(self, prompt: Sequence[int], budget: int) -> int:
         layers = self.proposer.layers if isinstance(self.proposer, SplitMoAProposer) else 0
-        answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers)
+        answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers, self.fingerprint)
         self.session = answer["session"]
         self._take_state(answer, 0)
         return int(answer["token"])

@@ -1,7 +1,7 @@
 """HTTP routes of the client–server protocol (``/cs/v1``), mounted on the same app as the OpenAI API.
 
     GET    /cs/v1/info                    what the server holds: state kind and width, limits, target fingerprint
-    POST   /cs/v1/sessions                {prompt: [ids], state?, state_format?, max_new_tokens?, target_layers?}
+    POST   /cs/v1/sessions                {prompt: [ids], state?, state_format?, max_new_tokens?, target_layers?, drafter?}
                                           → {session, token, verified, state[, layers]}
     POST   /cs/v1/sessions/{id}/verify    {verified: n, draft: [ids]} → {accepted, token, verified, state[, layers]}
     DELETE /cs/v1/sessions/{id}
@@ -31,6 +31,7 @@ class OpenRequest(BaseModel):
     state_format: Literal["fp16", "int8"] = "fp16"
     max_new_tokens: int | None = Field(None, ge=1)
     target_layers: int = Field(0, ge=0)  # send the last N layers' K/V too (a client with Target Layer Inference)
+    drafter: str | None = Field(None, max_length=64)  # the client's MoA drafter (fingerprint), if the server holds several
 
 
 class VerifyRequest(BaseModel):
@@ -59,7 +60,7 @@ def router(store: SessionStore, auth: Any, workers: int = 2) -> APIRouter:
     @r.post("/sessions")
     async def open_session(req: OpenRequest) -> dict[str, Any]:
         return await _call(limiter, store.open, req.prompt, req.state, req.state_format, req.max_new_tokens,
-                           req.target_layers)
+                           req.target_layers, req.drafter)
 
     @r.post("/sessions/{sid}/verify")
     async def verify(sid: str, req: VerifyRequest) -> dict[str, Any]:

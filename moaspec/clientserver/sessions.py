@@ -43,13 +43,9 @@ class SessionError(Exception):
         self.status = status
 
 
-def state_kinds(moa: MoADrafter | None) -> dict[str, StateFn | None]:
-    """The per-token states this server can send: EAGLE's (the target's final hidden states) and
-    none (an independent drafter) always; MoA's when it holds the server half of a MoA drafter."""
-    kinds: dict[str, StateFn | None] = {"eagle": lambda cache, start, end, hidden: hidden, "none": None}
-    if moa is not None:
-        kinds["moa"] = moa.memory_entries
-    return kinds
+def final_states(cache: KVCache, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
+    """EAGLE's state: the target's final hidden states."""
+    return hidden
 
 
 def last_layers_kv(cache: KVCache, start: int, end: int, layers: int) -> torch.Tensor:
@@ -75,7 +71,7 @@ class Session:
     id: str
     cache: KVCache
     tokens: list[int]  # prompt + verified tokens; the newest has no K/V in the cache yet
-    kind: str
+    state: StateFn | None  # what this session's client needs per verified token
     fmt: str
     layers: int  # the last layers whose K/V the client asked for (Target Layer Inference)
     expires: float
@@ -86,10 +82,17 @@ class Session:
 class SessionStore:
     """Target sessions for remote drafters, with limits and expiry."""
 
-    def __init__(self, target: LoadedModel, moa: MoADrafter | None = None, limits: Limits = Limits()) -> None:
+    def __init__(self, target: LoadedModel, moa: MoADrafter | Sequence[MoADrafter] | None = None,
+                 limits: Limits = Limits()) -> None:
+        """``moa``: the MoA drafters whose server half (LSA) this server runs for remote clients.
+
+        Several let clients with different drafters (N = 0 and N = 1, or an old and a new
+        version during a rollout) share one server; each names its own when it opens a session.
+        """
         self.target = target
-        self._kinds = state_kinds(moa)
-        self.moa_fingerprint = moa.fingerprint() if moa is not None else None
+        moas = [] if moa is None else [moa] if isinstance(moa, MoADrafter) else list(moa)
+        self._moas = {d.fingerprint(): d for d in moas}
+        self._kinds = ["eagle", "none"] + (["moa"] if moas else [])
         self.width = target.cfg.hidden_size
         self.limits = limits
         self._sessions: dict[str, Session] = {}
@@ -99,7 +102,7 @@ class SessionStore:
         lim = self.limits
         return {"states": sorted(self._kinds), "state_width": self.width, "formats": list(codec.FORMATS),
                 "vocab_size": self.target.cfg.vocab_size, "fingerprint": self.target.fingerprint,
-                "moa_drafter": self.moa_fingerprint, "max_target_layers": self.target.cfg.num_layers - 1,
+                "moa_drafters": list(self._moas), "max_target_layers": self.target.cfg.num_layers - 1,
                 "max_sessions": lim.max_sessions, "max_prompt_tokens": lim.max_prompt_tokens,
                 "max_new_tokens": lim.max_new_tokens, "max_draft": lim.max_draft, "ttl_s": lim.ttl_s,
                 "open_sessions": len(self._sessions)}
@@ -118,7 +121,7 @@ class SessionStore:
 
     def _state_of(self, s: Session, start: int, end: int, hidden: torch.Tensor) -> dict[str, Any]:
         """The answer's ``state`` (and ``layers``) for the newly verified positions ``start..end-1``."""
-        fn = self._kinds[s.kind]
+        fn = s.state
         out: dict[str, Any] = {"state": None if fn is None else codec.encode(fn(s.cache, start, end, hidden), s.fmt)}
         if s.layers:
             out["layers"] = codec.encode(last_layers_kv(s.cache, start, end, s.layers), s.fmt)
@@ -126,10 +129,12 @@ class SessionStore:
 
     @torch.inference_mode()
     def open(self, prompt: Sequence[int], kind: str = "moa", fmt: str = "fp16",
-             max_new_tokens: int | None = None, layers: int = 0) -> dict[str, Any]:
+             max_new_tokens: int | None = None, layers: int = 0, drafter: str | None = None) -> dict[str, Any]:
         """Prefill ``prompt``; answer the session id, the first token and the prompt's state.
 
-        ``layers``: how many of the target's last layers' K/V to send with every state.
+        ``layers``: how many of the target's last layers' K/V to send with every state;
+        ``drafter``: the fingerprint of the client's MoA drafter (may be left out when the
+        server holds only one).
         """
         lim = self.limits
         if not prompt:
@@ -140,6 +145,7 @@ class SessionStore:
                                     f"{min(lim.max_prompt_tokens, context - 1)}")
         if kind not in self._kinds:
             raise SessionError(400, f"this server sends {', '.join(sorted(self._kinds))} states, not {kind!r}")
+        state = self._moa_half(drafter).memory_entries if kind == "moa" else final_states if kind == "eagle" else None
         if fmt not in codec.FORMATS:
             raise SessionError(400, f"state_format must be one of {', '.join(codec.FORMATS)}")
         if not 0 <= layers < self.target.cfg.num_layers:
@@ -152,7 +158,7 @@ class SessionStore:
                 raise SessionError(503, f"the server holds its maximum of {lim.max_sessions} sessions; retry later")
             sid = secrets.token_urlsafe(16)
             cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
-            s = Session(sid, cache, list(prompt), kind, fmt, layers, time.monotonic() + lim.ttl_s)
+            s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s)
             self._sessions[sid] = s
         try:
             with s.lock:
@@ -160,13 +166,24 @@ class SessionStore:
                                         logits_at=slice(-1, None))
                 first = int(out.logits[0, -1].argmax())
                 s.tokens.append(first)
-                state = self._state_of(s, 0, len(prompt), out.hidden[0])
+                first_state = self._state_of(s, 0, len(prompt), out.hidden[0])
         except BaseException:
             with self._lock:  # a failed prefill must not hold a place until its TTL
                 self._sessions.pop(sid, None)
             raise
-        return {"session": sid, "token": first, "verified": len(s.tokens), **state,
+        return {"session": sid, "token": first, "verified": len(s.tokens), **first_state,
                 "capacity": cache.capacity, "expires_in_s": lim.ttl_s}
+
+    def _moa_half(self, fingerprint: str | None) -> MoADrafter:
+        if fingerprint is None:
+            if len(self._moas) > 1:
+                raise SessionError(400, "this server holds several MoA drafters: name yours (drafter: its fingerprint, "
+                                        f"one of {', '.join(self._moas)})")
+            return next(iter(self._moas.values()))
+        if fingerprint not in self._moas:
+            raise SessionError(400, f"this server does not hold the MoA drafter {fingerprint} (it holds "
+                                    f"{', '.join(self._moas)}): start it with that drafter too")
+        return self._moas[fingerprint]
 
     def _get(self, sid: str) -> Session:
         self._expire()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,18 +121,33 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 def build_transformer(
     cfg: ModelConfig, hf_state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
 ) -> Transformer:
-    """Instantiate without initialising (meta device), then adopt the given weights."""
+    """The runtime for HF-named weights, identified by their fingerprint."""
     state = convert_hf_state_dict(hf_state, cfg)
-    qkv_bias = "blocks.0.attn.qkv.bias" in state
-    with torch.device("meta"):
-        model = Transformer(cfg, qkv_bias=qkv_bias)
     tied = {"lm_head.weight": state["embed.weight"]} if cfg.tie_word_embeddings else {}
-    weights_id = fingerprint(cfg, {**state, **tied})
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    return assemble(cfg, state, device, dtype, fingerprint(cfg, {**state, **tied}))
+
+
+BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)")
+
+
+def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+             weights_id: str, first_block: int = 0) -> Transformer:
+    """Instantiate without initialising (meta device), then adopt ``state`` (this runtime's names).
+
+    With ``first_block > 0`` the model holds only the blocks from there on (a client's
+    Target Layer Inference); ``state`` names them by their index in the whole target.
+    """
+    qkv_bias = any(k.endswith("attn.qkv.bias") for k in state)
+    with torch.device("meta"):
+        model = Transformer(cfg, qkv_bias=qkv_bias, first_block=first_block)
+    own = {}
+    for name, t in state.items():
+        m = BLOCK_NAME.fullmatch(name)
+        own[f"blocks.{int(m[1]) - first_block}.{m[2]}" if m else name] = t.to(device=device, dtype=dtype)
     try:
-        model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+        model.load_state_dict(own, strict=not cfg.tie_word_embeddings, assign=True)
     except RuntimeError as exc:
-        raise ModelLoadError(f"weights do not match config.json: {str(exc).splitlines()[0]}") from None
+        raise ModelLoadError(f"weights do not match the model's config: {str(exc).splitlines()[0]}") from None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
