@@ -471,6 +471,7 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
                  "--lookup", "4", "--disconnect-drafters", str(tli)]) == 0
     summary = jsonlib.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["disconnect"]["moa"]["N=1"]["perplexity"] > 1  # the N = 1 drafter, on the same server
+    assert summary["setup"]["moa_tli_layers"] == 0 and summary["setup"]["moa_drafter"] == str(path)
     assert summary["disconnect"]["independent"]["chain"]["perplexity"] > 1
     assert "moa-pld" not in summary["disconnect"] and summary["setup"]["lookup"] == 4  # offline, moa-pld is moa
     for profile in ("lan", "5g"):
@@ -502,3 +503,14 @@ def test_a_failed_prefill_frees_its_place(tiny_llama, drafter, monkeypatch) -> N
         with pytest.raises(RuntimeError):
             store.open(PROMPT)
     assert store.open(PROMPT)["session"]  # the one place is free again
+
+
+def test_serve_refuses_a_remote_drafter_that_is_not_moa(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+    from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
+
+    small = IndependentDrafter(IndependentConfig.for_target(tiny_llama.cfg, layers=1))
+    path = save_drafter(small, tmp_path / "independent", target_identity(tiny_llama))
+    assert main(["serve", "--model", str(tiny_dirs["llama"]), "--port", "0", "--no-draft", "--remote-drafter", str(path)]) == 2
+    assert "not a MoA drafter" in capsys.readouterr().err

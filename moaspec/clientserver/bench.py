@@ -191,6 +191,8 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     prompts = [(q, encode_chat(target.tokenizer, chat_messages(q.turns[0]))) for q in questions]
     summary: dict[str, Any] = {"profiles": {}, "disconnect": {}, "setup": {
         "questions": len(questions), "max_new_tokens": max_new, "chain": chain, "state_format": fmt,
+        **({"moa_drafter": drafter_path, "moa_tli_layers": drafters["moa"].cfg.tli_layers}  # type: ignore[attr-defined]
+           if "moa" in drafters else {}),
         **({"lookup": lookup} if set(methods) & set(LOOKUP_METHODS) else {}),
         "pinned": f"client on core {cores[0]}, server on core {cores[1]}" if pinned else "not pinned (one core)",
         "profiles": {p.name: p.describe() for p in profiles}}}
