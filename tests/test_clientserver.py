@@ -222,7 +222,15 @@ def test_a_tli_client_runs_from_its_bundle(tiny_llama, tiny_dirs, tmp_path, caps
     names = set(load_file(str(bundle / "target.safetensors")))
     assert {n.split(".")[1] for n in names if n.startswith("blocks.")} == {str(last)}
     assert {"embed.weight", "norm"} <= names and jsonlib.loads((bundle / "bundle.json").read_text())["target_layers"] == 1
+    # an N = 0 drafter's bundle holds no block: the N = 1 drafter cannot run from it
+    flat = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path / "flat", target_identity(tiny_llama))
+    assert main(["export-client", "--model", str(tiny_dirs["llama"]), "--drafter", str(flat), "--output",
+                 str(tmp_path / "flat-bundle")]) == 0
+    capsys.readouterr()
     with running(make_app(tiny_llama, load_drafter(path, tiny_llama))) as url:
+        assert main(["client", "--server", url, "--api-key", KEY, "--bundle", str(tmp_path / "flat-bundle"),
+                     "--drafter", str(path), "hi"]) == 2
+        assert "export one for this one" in capsys.readouterr().err
         assert main(["client", "--server", url, "--api-key", KEY, "--bundle", str(bundle), "--max-new-tokens", "12",
                      "--json", "The quick brown fox"]) == 0
     out = jsonlib.loads(capsys.readouterr().out)

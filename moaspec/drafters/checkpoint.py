@@ -124,6 +124,9 @@ def load_drafter(path: str | Path, target: LoadedModel) -> Drafter:
         drafter.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise DrafterError(f"{path} does not match its own config: {str(exc).splitlines()[0]}") from None
-    drafter.attach(model)
+    try:
+        drafter.attach(model)
+    except ValueError as exc:
+        raise DrafterError(f"{path} cannot run on this model: {exc}") from None
     drafter.requires_grad_(False)
     return drafter.eval()

@@ -108,6 +108,13 @@ class MoADrafter(Drafter):
         self.register_buffer("layer_cos", lcos[None, None], persistent=False)
         self.register_buffer("layer_sin", lsin[None, None], persistent=False)
 
+    def attach(self, target: Transformer, vocab_limit: int | None = None) -> None:
+        held = target.cfg.num_layers - target.first_block
+        if self.cfg.tli_layers > held:
+            raise ValueError(f"the drafter runs the target's last {self.cfg.tli_layers} layers, and this copy of the "
+                             f"target holds {held} (a client bundle made for another drafter? export one for this one)")
+        super().attach(target, vocab_limit)
+
     def with_tli_layers(self, tli_layers: int) -> "MoADrafter":
         """A copy whose prediction feeds the target's last ``tli_layers`` layers: a warm start for training.
 
