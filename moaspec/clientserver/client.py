@@ -183,12 +183,8 @@ class SplitMoAProposer(MoAProposer):
         have, T = self.tli.length, kv.shape[0] // n
         if start > have:
             raise MoaspecError(f"target-layer K/V from position {start} leave a gap after {have}")
-        kv = kv.view(T, n, 2, cfg.num_kv_heads, cfg.head_dim).permute(2, 1, 3, 0, 4)[:, :, :, have - start :]
-        end = start + T
-        if end > have:
-            self.tli.keys[:, 0, :, have:end] = kv[0].to(self.tli.keys.dtype)
-            self.tli.values[:, 0, :, have:end] = kv[1].to(self.tli.values.dtype)
-            self.tli.length = end
+        if start + T > have:
+            self.tli.put_token_kv(have, kv.view(1, T, n, -1)[:, have - start :])
 
 
 class SplitEagleProposer(EagleProposer):

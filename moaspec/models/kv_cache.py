@@ -108,3 +108,16 @@ class KVCache:
         kv = torch.cat([k, v], dim=2)  # [L, B, 2H, T, D]
         L, B, H2, T, D = kv.shape
         return kv.permute(1, 3, 0, 2, 4).reshape(B, T, L, H2 * D)
+
+    def put_token_kv(self, start: int, kv: torch.Tensor) -> None:
+        """The inverse of :meth:`token_kv`: write ``kv`` ``[batch, T, layers, 2*kv_heads*head_dim]`` at
+        positions ``start..start+T-1`` and make the cache end there.
+
+        How K/V computed elsewhere (the target's, sent to a client or read in training)
+        fill a cache of the last few layers that Target Layer Inference attends to.
+        """
+        L, B, H, _, D = self.keys.shape
+        T = kv.shape[1]
+        k, v = kv.reshape(B, T, L, 2, H, D).permute(3, 2, 0, 4, 1, 5).to(self.keys.dtype)  # 2 × [L, B, H, T, D]
+        self.keys[:, :, :, start : start + T], self.values[:, :, :, start : start + T] = k, v
+        self.length = start + T

@@ -130,10 +130,7 @@ def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, mask
     L = target.cfg.num_layers
     H, D = target.cfg.num_kv_heads, target.cfg.head_dim
     cache = KVCache(N, H, D, 2 * S, B, pred.dtype, device)
-    # the last N layers' true K/V, unpacked from the per-token layout [B, S, L, (K heads, V heads)·D]
-    true_kv = tgt.token_kv[:, :, L - N :].reshape(B, S, N, 2, H, D).permute(3, 2, 0, 4, 1, 5)
-    cache.keys[:, :, :, :S], cache.values[:, :, :, :S] = true_kv[0], true_kv[1]
-    cache.length = S
+    cache.put_token_kv(0, tgt.token_kv[:, :, L - N :])  # the last N layers' true K/V
     final = drafter.run_tli(pred, cache, torch.arange(S, device=device), tli_mask(masks, batch.lengths).to(device))
     return [final[sel], pred[sel]], [tgt.final[sel], tgt.layer[sel]]
 
