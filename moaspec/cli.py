@@ -64,6 +64,13 @@ def _add_tree_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-total", type=int, default=d.total, help=f"tree nodes verified per target forward (default {d.total})")
 
 
+def _tree_shape(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The tree the options ask for (``--tree`` and its knobs), or None for chains."""
+    from moaspec.decoding.tree import TreeShape
+
+    return TreeShape(args.tree_depth, args.tree_top_k, args.tree_total) if args.tree else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moaspec", description="Mixture of Attentions speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lookup: send up to N drafts copied from where the newest tokens occurred before, and "
                         f"the drafter's chain only where nothing matches; 0: off (default {_default_lookup()}). "
                         "Offline, the drafter alone writes")
+    c.add_argument("--tree", action="store_true", help="send EAGLE-2 dynamic draft trees instead of chains")
+    _add_tree_options(c)
     c.add_argument("--state-format", choices=("fp16", "int8"), default="fp16", help="how the server sends each verified token's state (default fp16)")
     c.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as lost (default 10)")
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
@@ -203,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     bc.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     bc.add_argument("--profiles", default="lan,4g,5g", help="comma list from lan, 4g, 5g, none (default lan,4g,5g)")
-    bc.add_argument("--methods", default="moa,api", help="comma list from moa, moa-pld, eagle2, independent, api")
+    bc.add_argument("--methods", default="moa,api",
+                    help="comma list from moa, moa-pld (prompt lookup first), moa-tree (dynamic trees), eagle2, independent, api")
     bc.add_argument("--lookup", type=int, default=_default_lookup(), metavar="N",
                     help=f"prompt lookup drafts per verification for moa-pld (default {_default_lookup()})")
     bc.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (`moaspec train --kind eagle`)")
@@ -213,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--max-new-tokens", type=int, default=128)
     bc.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
     bc.add_argument("--chain", type=int, default=_default_chain(), help=f"drafts per verification (default {_default_chain()})")
+    _add_tree_options(bc)
     bc.add_argument("--state-format", choices=("fp16", "int8"), default="fp16")
     bc.add_argument("--disconnect-after", type=int, default=32, help="cut the link after K verified tokens (0: no study)")
     bc.add_argument("--disconnect-drafters", default="", metavar="DIR[,DIR]",
@@ -305,7 +316,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
     """The decoding the options ask for: the given or shipped drafter, chain or tree, prompt lookup; or none."""
     from moaspec.decoding.strategy import Strategy
-    from moaspec.decoding.tree import TreeShape
     from moaspec.drafters import load_drafter, shipped_drafter
 
     lookup = args.lookup if args.lookup is not None else (0 if args.no_draft else _default_lookup())
@@ -321,8 +331,7 @@ def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
         print(f"moaspec: no drafter ships for {loaded.path.name}; decoding with {how} "
               "(train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
         return Strategy(lookup=lookup)
-    tree = TreeShape(args.tree_depth, args.tree_top_k, args.tree_total) if args.tree else None
-    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=tree, lookup=lookup)
+    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=_tree_shape(args), lookup=lookup)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -530,7 +539,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     gen = SplitGeneration(drafter, loaded.tokenizer, remote, stop_token_ids(loaded.model, loaded.tokenizer),
                           draft_len=args.chain, fmt=args.state_format, max_draft=int(info["max_draft"]),
-                          lookup=args.lookup, on_piece=piece, on_event=None if args.json else event)
+                          lookup=args.lookup, tree=_tree_shape(args), on_piece=piece, on_event=None if args.json else event)
     ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     try:
@@ -595,6 +604,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     from moaspec.bench.methods import require_drafter
     from moaspec.clientserver.bench import run_bench_cs, table
     from moaspec.clientserver.netem import PROFILES
+    from moaspec.decoding.tree import TreeShape
     from moaspec.drafters import shipped_drafter
     from moaspec.drafters.eagle import EagleDrafter
     from moaspec.drafters.independent import IndependentDrafter
@@ -627,7 +637,9 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
             drafters[method] = require_drafter(where, kind, method, loaded)
     summary = run_bench_cs(loaded, drafters, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
                            Path(args.output), chain=args.chain, lookup=args.lookup, fmt=args.state_format,
-                           disconnect_after=args.disconnect_after, continue_tokens=args.continue_tokens, port=args.port,
+                           tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total),
+                           disconnect_after=args.disconnect_after,
+                           continue_tokens=args.continue_tokens, port=args.port,
                            model_spec=args.model, drafter_path=str(path), more_moa=more, progress=not args.no_progress)
     print(table(summary))
     print(f"summary.json in {args.output}")

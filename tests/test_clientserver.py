@@ -136,6 +136,43 @@ def test_the_memory_from_the_server_is_what_the_drafter_computes_locally(tiny_ll
     remote.close(answer["session"])
 
 
+# --- draft trees across the network ----------------------------------------------------------
+
+@pytest.mark.parametrize("kind, lookup", [("moa", 0), ("moa", 4), ("tli", 0), ("eagle", 0), ("independent", 0)])
+def test_draft_trees_over_the_network_are_lossless(tiny_llama, request, kind, lookup) -> None:  # type: ignore[no-untyped-def]
+    """The server verifies a whole tree under a tree mask and keeps the accepted branch; the client
+    drafts what it would draft next to the target, for every kind of drafter."""
+    from moaspec.decoding.tree import TreeShape, generate_tree
+    from moaspec.drafters.proposers import proposer_for
+
+    d = request.getfixturevalue({"moa": "drafter", "tli": "tli_drafter"}.get(kind, kind))
+    shape = TreeShape(depth=3, top_k=2, total=6)
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    alone = generate_tree(tiny_llama.model, tiny_llama.tokenizer, proposer_for(d), PROMPT, cfg, shape)
+    with running(make_app(tiny_llama, d if isinstance(d, MoADrafter) else request.getfixturevalue("drafter"))) as url:
+        result = split(tiny_llama, d, url, 30, tree=shape, lookup=lookup)
+    assert result.token_ids == alone.token_ids == vanilla(tiny_llama, 30)
+    if not lookup:
+        assert result.accepted_lengths == alone.accepted_lengths  # the same trees, the same branches taken
+    assert result.server_calls == len(result.accepted_lengths) + 2
+
+
+@pytest.mark.parametrize("kind", ["drafter", "tli_drafter"])
+def test_a_tree_client_generates_alone_and_is_lossless_once_the_server_is_back(tiny_llama, request, kind) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.decoding.tree import TreeShape
+
+    drafter = request.getfixturevalue(kind)
+    with running(make_app(tiny_llama, drafter)) as url:
+        proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
+        try:
+            result = split(tiny_llama, drafter, proxy.url, 40, tree=TreeShape(2, 2, 4), timeout=2.0, retry_every=2,
+                           on_piece=cut_after(proxy, 5, restore_after=4))
+        finally:
+            proxy.stop()
+    assert result.offline_tokens > 0 and result.resyncs >= 1 and result.unverified == 0
+    assert result.token_ids == vanilla(tiny_llama, 40)
+
+
 # --- Target Layer Inference on the client --------------------------------------------------
 
 def recording_steps(drafter: MoADrafter, monkeypatch) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -331,6 +368,9 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [vocab + 5]}}, 400, "outside"),
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n + 3, "draft": [1]}}, 409, "assumes"),
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n}}, 400, "draft"),
+            (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1, 2], "parents": [0]}}, 400, "parents"),
+            (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1, 2], "parents": [0, 2]}}, 400,
+             "earlier node"),
             (("POST", "/sessions/nope/verify"), {"json": {"verified": n, "draft": [1]}}, 404, "unknown or expired"),
             (("DELETE", "/sessions/nope"), {}, 404, "unknown"),
             (("GET", "/info"), {"headers": {"Authorization": "Bearer wrong"}}, 401, "Incorrect API key"),
@@ -440,6 +480,8 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         assert cut["unverified"] > 0 and cut["new_tokens"] == 12 and cut["offline_tokens"] >= cut["unverified"]
         assert main([*args, "--drafter", str(path), "--lookup", "0", "--json", "The quick brown fox"]) == 0
         assert jsonlib.loads(capsys.readouterr().out)["text"] == out["text"]  # lookup on (the default) or off
+        assert main([*args, "--drafter", str(path), "--tree", "--tree-depth", "3", "--json", "The quick brown fox"]) == 0
+        assert jsonlib.loads(capsys.readouterr().out)["text"] == out["text"]  # trees instead of chains
         assert main([*args, "--drafter", str(path), "--lookup", "-1", "hi"]) == 2
         assert "--lookup" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--network", "3g", "hi"]) == 2
@@ -494,6 +536,10 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     assert main([*args[:-3], "--methods", "independent", "--independent-drafter", str(path), "--output", str(tmp_path / "o4")]) == 2
     assert "not a drafter of the kind independent needs" in capsys.readouterr().err
     assert main([*args[:-3], "--profiles", "3g", "--output", str(tmp_path / "o3")]) == 2
+    assert main([*args[:-3], "--methods", "moa,moa-tree", "--tree-depth", "3", "--disconnect-after", "0",
+                 "--output", str(tmp_path / "o7")]) == 0
+    trees = jsonlib.loads((tmp_path / "o7" / "summary.json").read_text())
+    assert trees["setup"]["tree"]["depth"] == 3 and trees["profiles"]["lan"]["moa-tree"]["new_tokens"] > 0
     assert main([*args[:-3], "--disconnect-drafters", str(path), "--output", str(tmp_path / "o6")]) == 2
     assert "one MoA drafter per N" in capsys.readouterr().err
     assert main([*args[:-3], "--lookup", "0", "--output", str(tmp_path / "o5")]) == 2

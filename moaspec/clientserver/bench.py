@@ -41,6 +41,7 @@ from moaspec.chat import chat_messages, encode_chat
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import NetworkProxy, Profile
 from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.tree import TreeShape
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.moa import MoADrafter
@@ -49,8 +50,8 @@ from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.specbench import Question
 
-METHODS = ("moa", "moa-pld", "eagle2", "independent", "api")
-LOOKUP_METHODS = {"moa-pld": "moa"}  # method → the drafter method it adds prompt lookup to
+METHODS = ("moa", "moa-pld", "moa-tree", "eagle2", "independent", "api")
+VARIANTS = {"moa-pld": ("moa", "lookup"), "moa-tree": ("moa", "tree")}  # method → (its drafter's method, what it adds)
 
 
 class ServerProcess:
@@ -105,10 +106,10 @@ def _api(url: str, prompt: str, max_new: int) -> dict[str, Any]:
 
 
 def _split(target: LoadedModel, drafter: Drafter, url: str, ids: Sequence[int], max_new: int, chain: int,
-           fmt: str, lookup: int = 0) -> dict[str, Any]:
+           fmt: str, lookup: int = 0, tree: TreeShape | None = None) -> dict[str, Any]:
     remote = RemoteTarget(url, timeout=30)
     gen = SplitGeneration(drafter, target.tokenizer, remote, stop_token_ids(target.model, target.tokenizer),
-                          draft_len=chain, fmt=fmt, lookup=lookup)
+                          draft_len=chain, fmt=fmt, lookup=lookup, tree=tree)
     r = gen.run(ids, GenerationConfig(max_new_tokens=max_new), target.cfg.max_position_embeddings)
     remote.shutdown()
     return {"tokens": len(r.token_ids), "total_s": r.total_s, "ttft_s": r.ttft_s, "server_calls": r.server_calls,
@@ -165,22 +166,26 @@ def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int]
 
 def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: list[Question], profiles: list[Profile],
                  methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, lookup: int = 10,
-                 fmt: str = "fp16",
+                 fmt: str = "fp16", tree: TreeShape = TreeShape(),
                  disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
                  model_spec: str | None = None, drafter_path: str | None = None,
                  more_moa: Sequence[tuple[str, Drafter]] = (), progress: bool = True) -> dict[str, Any]:
     """``drafters`` maps each drafter method (moa, eagle2, independent) to its drafter; api is server-side.
 
-    ``lookup`` is the most prompt-lookup drafts per verification of the ``-pld`` methods.
+    ``lookup`` is the most prompt-lookup drafts per verification of ``moa-pld``; ``tree`` the
+    dynamic trees ``moa-tree`` sends instead of chains (the disconnection study keeps chains).
     ``more_moa`` (path, drafter): further MoA drafters, e.g. other N, that the
     disconnection study runs too (labelled by N, like the main one).
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)} for bench-cs; available: {', '.join(METHODS)}")
-    clients = {m: (drafters[LOOKUP_METHODS.get(m, m)], lookup if m in LOOKUP_METHODS else 0)
-               for m in methods if m != "api"}  # method → (its drafter, its lookup)
-    drafters = {m: d for m, d in drafters.items() if m in {LOOKUP_METHODS.get(c, c) for c in clients}}
+    clients: dict[str, tuple[Drafter, int, TreeShape | None]] = {}  # method → (its drafter, its lookup, its tree)
+    for m in methods:
+        if m != "api":
+            base, adds = VARIANTS.get(m, (m, ""))
+            clients[m] = (drafters[base], lookup if adds == "lookup" else 0, tree if adds == "tree" else None)
+    drafters = {m: d for m, d in drafters.items() if m in {VARIANTS.get(c, (c, ""))[0] for c in clients}}
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
     server = ServerProcess(port, model_spec, drafter_path, cores[1] if pinned else None, [p for p, _ in more_moa])
@@ -191,16 +196,17 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     prompts = [(q, encode_chat(target.tokenizer, chat_messages(q.turns[0]))) for q in questions]
     summary: dict[str, Any] = {"profiles": {}, "disconnect": {}, "setup": {
         "questions": len(questions), "max_new_tokens": max_new, "chain": chain, "state_format": fmt,
+        **({"tree": {"depth": tree.depth, "top_k": tree.top_k, "total": tree.total}} if "moa-tree" in methods else {}),
         **({"moa_drafter": drafter_path, "moa_tli_layers": drafters["moa"].cfg.tli_layers}  # type: ignore[attr-defined]
            if "moa" in drafters else {}),
-        **({"lookup": lookup} if set(methods) & set(LOOKUP_METHODS) else {}),
+        **({"lookup": lookup} if "moa-pld" in methods else {}),
         "pinned": f"client on core {cores[0]}, server on core {cores[1]}" if pinned else "not pinned (one core)",
         "profiles": {p.name: p.describe() for p in profiles}}}
     output.mkdir(parents=True, exist_ok=True)
     try:
         # warm both ends (first-call allocations) before timing anything
-        for d, n in clients.values():
-            _split(target, d, server.url, prompts[0][1], 8, chain, fmt, n)
+        for d, n, shape in clients.values():
+            _split(target, d, server.url, prompts[0][1], 8, chain, fmt, n, shape)
         _api(server.url, questions[0].turns[0], 8)
         bar = tqdm(total=len(profiles) * len(methods) * len(prompts), disable=not progress, desc="bench-cs")
         for profile in profiles:
@@ -210,8 +216,8 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
                 for q, ids in prompts:
                     for m in methods:  # back to back per question, so drift hits both alike
                         if m in clients:
-                            drafter, n = clients[m]
-                            row = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n)
+                            drafter, n, shape = clients[m]
+                            row = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n, shape)
                         else:
                             row = _api(proxy.url, q.turns[0], max_new)
                         row.pop("token_ids", None)

@@ -2,8 +2,9 @@
 
     open a session (the server prefills the prompt) → the target's first token and the
     prompt's memory entries
-    repeat: draft a chain locally → the server verifies it in one target forward → keep
-            the accepted drafts and the target's token, add the new memory entries
+    repeat: draft a chain (or an EAGLE-2 dynamic tree) locally → the server verifies it in
+            one target forward → keep the accepted drafts and the target's token, add the
+            new memory entries
 
 With ``lookup`` on, a chain copied by prompt lookup (:mod:`moaspec.decoding.lookup`)
 goes out instead of the drafter's wherever the newest tokens occurred before: it costs
@@ -36,6 +37,7 @@ from moaspec.decoding.generation import GenerationConfig, TokenSink
 from moaspec.decoding.lookup import MIN_NGRAM_BEFORE_DRAFTER, NgramIndex
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN
+from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.independent import IndependentDrafter
@@ -112,8 +114,12 @@ class RemoteTarget:
             body["drafter"] = drafter
         return self._request("POST", "/sessions", body)
 
-    def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None) -> dict[str, Any]:
-        return self._request("POST", f"/sessions/{session}/verify", {"verified": verified, "draft": list(draft)}, retries)
+    def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None,
+               parents: Sequence[int] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"verified": verified, "draft": list(draft)}
+        if parents is not None:
+            body["parents"] = list(parents)
+        return self._request("POST", f"/sessions/{session}/verify", body, retries)
 
     def close(self, session: str) -> None:
         try:
@@ -162,7 +168,7 @@ class SplitMoAProposer(MoAProposer):
 
     def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
         assert self.state is not None
-        self.state.sa.truncate(min(self.state.sa.length, verified))
+        self._keep_accepted(self.state.sa, verified, keep_slots)
 
     def receive(self, start: int, entries: torch.Tensor) -> None:
         """Add memory entries for positions ``start..``; those already held are skipped."""
@@ -280,8 +286,10 @@ class SplitGeneration:
 
     def __init__(self, drafter: Drafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = DEFAULT_CHAIN,
                  fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8, pipeline: bool = True, lookup: int = 0,
-                 on_piece: Callable[[str, PieceKind], None] | None = None,
+                 tree: TreeShape | None = None, on_piece: Callable[[str, PieceKind], None] | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:
+        """``tree``: send EAGLE-2 dynamic draft trees instead of chains (not pipelined: what to draft
+        next depends on which branch the target takes)."""
         split_proposer(drafter)  # refuse an unsupported drafter now rather than mid-generation
         # a server may hold several MoA drafters' server halves: the client names its own
         self.fingerprint = drafter.fingerprint() if isinstance(drafter, MoADrafter) else None
@@ -289,6 +297,7 @@ class SplitGeneration:
         self.eos, self.draft_len, self.fmt, self.max_draft, self.retry_every = eos, draft_len, fmt, max_draft, retry_every
         self.on_piece, self.on_event = on_piece, on_event
         self.pipeline = pipeline
+        self.tree = tree
         self.lookup = min(lookup, max_draft)  # most drafts per prompt-lookup copy (0: the drafter alone)
         self.state_bytes = 0
         self.pipeline_hits = 0  # verifications whose next drafts were ready when the answer came
@@ -351,6 +360,13 @@ class SplitGeneration:
         drafts: list[int] | None = None  # drafted ahead during the last verification, ready to send
         sink.push([first])
         while not sink.done:
+            if offline is None and self.tree is not None:
+                try:
+                    self._tree_round()
+                except ServerUnreachable as exc:
+                    self._event(f"server unreachable ({exc}); generating alone, text unverified")
+                    offline = Detokenizer(self.tokenizer)
+                continue
             if offline is None:
                 if drafts is None:
                     drafts = self._next_drafts([])
@@ -435,6 +451,36 @@ class SplitGeneration:
         tokens = self.tokens + (after or [])
         self.view.length = len(tokens) - 1
         return self.proposer.propose(tokens, n, GREEDY, None).tokens.tolist()
+
+    def _tree_round(self) -> None:
+        """Grow a draft tree from the newest token, have it verified, keep the accepted branch."""
+        self.view.length = len(self.tokens) - 1
+        assert self.tree is not None
+        room = self.view.capacity - len(self.tokens)
+        shape = TreeShape(max(1, self._room(self.tree.depth, 0)), self.tree.top_k,
+                          max(1, min(self.tree.total, self.max_draft + 1, room)))
+        tree = self.proposer.propose_tree(self.tokens, shape)
+        if self.lookup:
+            self.index.update(self.tokens[: self.verified])
+            n = self._room(self.lookup, 0)
+            copied = self.index.match(self.tokens, n) if n > 0 else []
+            if copied and len(tree.parents) - 1 + len(copied) <= self.max_draft:
+                tree = tree.graft(copied)
+        try:
+            answer = self.remote.verify(self.session, self.verified, tree.tokens[1:].tolist(), parents=tree.parents[1:])
+        except ServerUnreachable:
+            self.proposer.commit(len(self.tokens) - 1)  # forget the tree's nodes: drafting goes on alone from here
+            raise
+        path = [int(i) for i in answer.get("path", [])]
+        if any(not 0 < node < len(tree.parents) or tree.parents[node] != prev for node, prev in zip(path, [0, *path])):
+            raise MoaspecError(f"the server accepted the path {path}, which is not a branch of the tree it was sent")
+        self._take_state(answer, self.verified - 1)
+        new = [int(tree.tokens[i]) for i in path] + [int(answer["token"])]
+        self.tokens += new
+        self.verified += len(new)
+        self.accepted.append(len(new))
+        self.proposer.commit(len(self.tokens) - 1, path)
+        self.sink.push(new, drafted=len(path))
 
     def _settle(self, chunk: list[int], answer: dict[str, Any]) -> None:
         """The server verified ``chunk`` (the drafts after the verified tokens): keep what it accepted.

@@ -3,7 +3,8 @@
     GET    /cs/v1/info                    what the server holds: state kind and width, limits, target fingerprint
     POST   /cs/v1/sessions                {prompt: [ids], state?, state_format?, max_new_tokens?, target_layers?, drafter?}
                                           → {session, token, verified, state[, layers]}
-    POST   /cs/v1/sessions/{id}/verify    {verified: n, draft: [ids]} → {accepted, token, verified, state[, layers]}
+    POST   /cs/v1/sessions/{id}/verify    {verified: n, draft: [ids], parents?: [nodes]}
+                                          → {accepted, token, verified, state[, layers][, path]}
     DELETE /cs/v1/sessions/{id}
 
 Target forwards run on worker threads, at most ``workers`` at once (more would only
@@ -38,6 +39,7 @@ class VerifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     verified: int = Field(ge=1)
     draft: list[int]
+    parents: list[int] | None = None  # a draft tree: each node's parent (0: the root, j: draft[j - 1])
 
 
 async def _call(limiter: anyio.CapacityLimiter, fn: Any, *args: Any) -> Any:
@@ -64,7 +66,7 @@ def router(store: SessionStore, auth: Any, workers: int = 2) -> APIRouter:
 
     @r.post("/sessions/{sid}/verify")
     async def verify(sid: str, req: VerifyRequest) -> dict[str, Any]:
-        return await _call(limiter, store.verify, sid, req.verified, req.draft)
+        return await _call(limiter, store.verify, sid, req.verified, req.draft, req.parents)
 
     @r.delete("/sessions/{sid}", status_code=204)
     async def close(sid: str) -> Response:

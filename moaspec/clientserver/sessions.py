@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 from moaspec.clientserver import codec
-from moaspec.decoding.verify import verify_greedy
+from moaspec.decoding.tree import DraftTree
+from moaspec.decoding.verify import verify_greedy, verify_tree
+from moaspec.models.transformer import tree_mask
 from moaspec.drafters.moa import MoADrafter
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
@@ -76,7 +78,7 @@ class Session:
     layers: int  # the last layers whose K/V the client asked for (Target Layer Inference)
     expires: float
     lock: threading.Lock = field(default_factory=threading.Lock)
-    last: tuple[int, tuple[int, ...], dict[str, Any]] | None = None  # (verified, draft, answer) for retries
+    last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # ((verified, draft, parents), answer) for retries
 
 
 class SessionStore:
@@ -194,29 +196,48 @@ class SessionStore:
         return s
 
     @torch.inference_mode()
-    def verify(self, sid: str, verified: int, draft: Sequence[int]) -> dict[str, Any]:
-        """Score ``draft``, which continues the session's ``verified`` tokens."""
+    def verify(self, sid: str, verified: int, draft: Sequence[int], parents: Sequence[int] | None = None) -> dict[str, Any]:
+        """Score ``draft``, which continues the session's ``verified`` tokens: a chain, or a tree.
+
+        A tree gives each draft node's ``parents`` entry: 0 for the newest verified token
+        (the root), ``j`` for ``draft[j - 1]``, always an earlier node. The whole tree is
+        verified in one forward under a tree mask; the answer's ``path`` names the accepted
+        nodes, and only they stay in the cache.
+        """
         s = self._get(sid)
         if len(draft) > self.limits.max_draft:
             raise SessionError(413, f"the draft has {len(draft)} tokens; at most {self.limits.max_draft} per verification")
         self._check_ids(draft, "the draft")
+        if parents is not None and (len(parents) != len(draft) or any(not 0 <= p <= i for i, p in enumerate(parents))):
+            raise SessionError(400, "parents must give one earlier node per draft token: 0 for the root, j for draft[j - 1]")
+        key = (verified, tuple(draft), None if parents is None else tuple(parents))
         with s.lock:
             s.expires = time.monotonic() + self.limits.ttl_s
-            if s.last is not None and s.last[0] == verified and s.last[1] == tuple(draft):
-                return s.last[2]  # a retry of the last request: same answer, no second advance
+            if s.last is not None and s.last[0] == key:
+                return s.last[1]  # a retry of the last request: same answer, no second advance
             if verified != len(s.tokens):
                 raise SessionError(409, f"the session has {len(s.tokens)} verified tokens, the request assumes {verified}")
             cache = s.cache
             if cache.length + 1 + len(draft) > cache.capacity:
                 raise SessionError(400, "the session has used its token budget; open a new one")
-            start = cache.length
-            out = self.target.model(torch.tensor([[s.tokens[-1], *draft]], device=self.target.model.device), cache)
-            verdict = verify_greedy(torch.tensor(list(draft), dtype=torch.long), out.logits[0])
-            cache.truncate(start + 1 + verdict.accepted)
-            s.tokens += list(draft[: verdict.accepted]) + [verdict.next_token]
-            answer = {"accepted": verdict.accepted, "token": verdict.next_token, "verified": len(s.tokens),
-                      **self._state_of(s, start, cache.length, out.hidden[0, : verdict.accepted + 1])}
-            s.last = (verified, tuple(draft), answer)
+            start, device = cache.length, self.target.model.device
+            nodes = torch.tensor([s.tokens[-1], *draft], dtype=torch.long)
+            if parents is None:
+                out = self.target.model(nodes[None].to(device), cache)
+                verdict = verify_greedy(nodes[1:], out.logits[0])
+                path, token = list(range(1, verdict.accepted + 1)), verdict.next_token
+            else:
+                tree = DraftTree.from_parents(nodes.tolist(), [-1, *parents])
+                out = self.target.model(nodes[None].to(device), cache, positions=start + tree.depths.to(device),
+                                        mask=tree_mask(start, tree.ancestors().to(device)))
+                path, token = verify_tree(tree.tokens, tree.parents, out.logits[0], True, None)
+            kept = [0, *path]
+            cache.compact(start, torch.tensor(kept))
+            s.tokens += [int(nodes[i]) for i in path] + [token]
+            answer = {"accepted": len(path), "token": token, "verified": len(s.tokens),
+                      **({"path": path} if parents is not None else {}),
+                      **self._state_of(s, start, cache.length, out.hidden[0, kept])}
+            s.last = (key, answer)
             return answer
 
     def close(self, sid: str) -> None:

@@ -51,6 +51,14 @@ class DraftTree:
     parents: list[int]  # parent index per node, -1 for the root
     depths: torch.Tensor  # [N], 0 for the root
 
+    @classmethod
+    def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
+        """A tree given its tokens and parents (each before its children), e.g. as a server receives one."""
+        depths: list[int] = []
+        for p in parents:
+            depths.append(depths[p] + 1 if p >= 0 else 0)
+        return cls(torch.tensor(list(tokens), dtype=torch.long), list(parents), torch.tensor(depths, dtype=torch.long))
+
     def graft(self, chain: Sequence[int]) -> DraftTree:
         """This tree with ``chain`` hung below the root (prompt lookup's drafts).
 
