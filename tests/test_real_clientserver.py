@@ -35,12 +35,12 @@ def setup(real_model) -> Iterator[tuple[str, object, object]]:  # type: ignore[n
         proxy.stop()
 
 
-def split_run(url: str, drafter, real_model, prompt: str, fmt: str = "fp16"):  # type: ignore[no-untyped-def]
+def split_run(url: str, drafter, real_model, prompt: str, fmt: str = "fp16", tree=None):  # type: ignore[no-untyped-def]
     ids = encode_chat(real_model.tokenizer, chat_messages(prompt))
     want = generate(real_model.model, real_model.tokenizer, ids, GenerationConfig(max_new_tokens=48)).token_ids
     remote = RemoteTarget(url)
     gen = SplitGeneration(drafter, real_model.tokenizer, remote, stop_token_ids(real_model.model, real_model.tokenizer),
-                          draft_len=2, fmt=fmt)
+                          draft_len=2, fmt=fmt, tree=tree)
     result = gen.run(ids, GenerationConfig(max_new_tokens=48), real_model.cfg.max_position_embeddings)
     remote.shutdown()
     return result, want
@@ -63,3 +63,11 @@ def test_a_client_with_target_layer_inference_is_lossless(setup, real_model) -> 
     url, _, tli = setup
     result, want = split_run(url, tli, real_model, PROMPTS[0])
     assert result.token_ids == want and result.unverified == 0
+
+
+def test_a_tree_client_is_lossless(setup, real_model) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.decoding.tree import TreeShape
+
+    url, drafter, _ = setup
+    result, want = split_run(url, drafter, real_model, PROMPTS[1], tree=TreeShape())
+    assert result.token_ids == want and result.tau > 1
