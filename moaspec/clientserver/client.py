@@ -474,13 +474,7 @@ class SplitGeneration:
         path = [int(i) for i in answer.get("path", [])]
         if any(not 0 < node < len(tree.parents) or tree.parents[node] != prev for node, prev in zip(path, [0, *path])):
             raise MoaspecError(f"the server accepted the path {path}, which is not a branch of the tree it was sent")
-        self._take_state(answer, self.verified - 1)
-        new = [int(tree.tokens[i]) for i in path] + [int(answer["token"])]
-        self.tokens += new
-        self.verified += len(new)
-        self.accepted.append(len(new))
-        self.proposer.commit(len(self.tokens) - 1, path)
-        self.sink.push(new, drafted=len(path))
+        self._keep(answer, [int(tree.tokens[i]) for i in path] + [int(answer["token"])], len(path), [], path)
 
     def _settle(self, chunk: list[int], answer: dict[str, Any]) -> None:
         """The server verified ``chunk`` (the drafts after the verified tokens): keep what it accepted.
@@ -489,15 +483,22 @@ class SplitGeneration:
         token agrees with the next one of them.
         """
         a, token = int(answer["accepted"]), int(answer["token"])
-        self._take_state(answer, self.verified - 1)
         tail = self.tokens[self.verified:]
-        new = chunk[:a] + [token]
         keeps_tail = a == len(chunk) and len(tail) > a and tail[a] == token
-        self.tokens[self.verified:] = new + (tail[a + 1:] if keeps_tail else [])
+        self._keep(answer, chunk[:a] + [token], a, tail[a + 1:] if keeps_tail else [])
+
+    def _keep(self, answer: dict[str, Any], new: list[int], drafted: int, tail: list[int],
+              path: list[int] | None = None) -> None:
+        """``new`` (``drafted`` drafts, then the target's token) is verified; ``tail`` stays unverified after it.
+
+        ``path``: the tree nodes ``new`` came from, whose drafter entries are kept.
+        """
+        self._take_state(answer, self.verified - 1)
+        self.tokens[self.verified:] = new + tail
         self.verified += len(new)
         self.accepted.append(len(new))
-        self.proposer.commit(len(self.tokens) - 1)
-        self.sink.push(new, drafted=a)
+        self.proposer.commit(len(self.tokens) - 1, path)
+        self.sink.push(new, drafted=drafted)
 
     def _resync(self) -> bool:
         """Verify the unverified tail if the server answers now; False while it is still unreachable."""
