@@ -21,6 +21,7 @@ from moaspec.drafters.layers import DecoderLayer
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
+from moaspec.models.transformer import causal_mask
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class EagleDrafter(Drafter):
         T = tokens.shape[1]
         cos, sin = self.rope(positions)
         if mask is None and T > 1:
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
+            mask = causal_mask(start, T, tokens.device)
         f = self.layer.self_attention(self.inputs(tokens, prev_features), cos, sin, mask,
                                       cache=(cache.keys[0], cache.values[0], start))
         cache.length = start + T

@@ -26,7 +26,7 @@ from moaspec.drafters.layers import DecoderLayer, RMSNorm
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
-from moaspec.models.transformer import Transformer, rope_tables
+from moaspec.models.transformer import Transformer, causal_mask, rope_tables
 
 
 MEMORY_SOURCES = ("lsa", "last-layer")
@@ -259,7 +259,7 @@ class MoADrafter(Drafter):
         cos, sin = self.rope(positions)
         x = self.target.embed(tokens).to(cos.dtype)
         if sa_mask is None and T > 1:
-            sa_mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
+            sa_mask = causal_mask(start, T, tokens.device)
         s = self.sa.self_attention(x, cos, sin, sa_mask, cache=(state.sa.keys[0], state.sa.values[0], start))
         state.sa.length = start + T
         n = state.memory.length
@@ -270,7 +270,6 @@ class MoADrafter(Drafter):
             if target_cache is None:
                 raise ValueError("a drafter with Target Layer Inference needs the target's cache")
             if tli_mask is None and outputs > 1:
-                n = target_cache.length
-                tli_mask = torch.ones(outputs, n + outputs, dtype=torch.bool, device=tokens.device).tril(n)
+                tli_mask = causal_mask(target_cache.length, outputs, tokens.device)
             f = self.run_tli(f, target_cache, positions[..., T - outputs :], tli_mask)
         return self.head(f)
