@@ -10,7 +10,10 @@ with the same ``--val-fraction``), per record:
   ``tests/test_real_speculative.py`` and ``tests/test_speculative.py``), over whole
   answers and over their first ``--head`` tokens (as ``chain_tau.py`` decodes
   SpecBench). The only figure for EAGLE and independent drafters, which teacher
-  forcing would feed true features or tokens inside random segments.
+  forcing would feed true features or tokens inside random segments;
+* ``top-1 by drafting step`` — how often step k of a cycle drafts the target's token
+  when the steps before it were right: a drafter that reads the target's newest
+  state well is best at step 1 (the first draft), where every cycle starts.
 
     .venv/bin/python benchmarks/held_out_tau.py --data ~/.cache/moaspec/data/gpu/data{1..8} [--drafter DIR]
 """
@@ -26,7 +29,8 @@ from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.models import load_model
 from moaspec.training.dataset import collate, load_examples
-from moaspec.training.distill import acceptance_by_offset, build_masks, cycle_runs, drafter_loss, full_argmax, simulate_chain
+from moaspec.training.distill import (acceptance_by_offset, accepted_runs, build_masks, drafter_loss, full_argmax, simulate_chain,
+                                      step_accuracy, step_matches)
 from moaspec.training.features import target_pass
 
 
@@ -48,6 +52,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(12345)
     seg = {"greedy": [0.0, 0.0], "sampled": [0.0, 0.0]}  # accepted drafts, segments
     replay = {"whole": [0, 0], "head": [0, 0]}  # tokens, verifications
+    hits, cases = torch.zeros(6), torch.zeros(6)  # per drafting step, greedy answers
     for ex in val:
         batch = collate([ex])
         with torch.no_grad():
@@ -60,7 +65,10 @@ def main() -> None:
                 seg["greedy" if ex.greedy else "sampled"][0] += float(accepted)
                 seg["greedy" if ex.greedy else "sampled"][1] += float(segments)
             if ex.greedy:
-                runs = cycle_runs(drafter, lm.model, batch, tgt, greedy)[0].tolist()
+                matches = step_matches(drafter, lm.model, batch, tgt, greedy)
+                h, c = step_accuracy(matches, batch)
+                hits, cases = hits + h, cases + c
+                runs = accepted_runs(matches, batch)[0].tolist()
                 answer = len(ex.tokens) - ex.prompt_len
                 for name, n in (("whole", answer), ("head", min(answer, args.head))):
                     added = simulate_chain(runs, ex.prompt_len, n)
@@ -75,6 +83,8 @@ def main() -> None:
     for name, (t, c) in [("decode replay, greedy answers, whole", replay["whole"]),
                          (f"decode replay, greedy answers, first {args.head}", replay["head"])]:
         print(f"{name:<42} tau {t / max(c, 1):.3f}  ({c} verifications)")
+    print("top-1 by drafting step, greedy answers, true inputs: "
+          + "  ".join(f"{k + 1}: {float(h / max(c, 1)):.3f}" for k, (h, c) in enumerate(zip(hits, cases))))
 
 
 if __name__ == "__main__":

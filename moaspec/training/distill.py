@@ -169,42 +169,63 @@ def cycle_runs(drafter: Drafter, target: Transformer, batch: Batch, tgt: TargetO
     """``[B, S]`` (CPU): how many drafts a greedy chain of ``depth`` would accept in a cycle starting at each response position.
 
     Along the target's greedy output a cycle's drafts read the true tokens up to the
-    first miss, so every cycle can be computed teacher-forced, all positions at once;
-    :func:`simulate_chain` then follows the cycles real decoding would run. ``greedy`` is
-    the target's greedy token at each response position (:func:`full_argmax`).
-    Positions outside responses get 0. How a cycle depends on where it starts is the
-    drafter's: see :func:`_moa_cycle_runs` and :meth:`EagleDrafter.unrolled`; an
-    independent drafter reads tokens only, so one pass serves every step.
+    first miss, so every cycle can be computed teacher-forced, all positions at once
+    (:func:`step_matches`); :func:`simulate_chain` then follows the cycles real decoding
+    would run. Positions outside responses get 0.
+    """
+    return accepted_runs(step_matches(drafter, target, batch, tgt, greedy, depth), batch)
+
+
+def accepted_runs(matches: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``[B, S]``: leading matched steps of the cycle at each response position, from :func:`step_matches`."""
+    run = torch.zeros(matches.shape[1:], dtype=torch.long)
+    alive = response_mask(batch)
+    for step in matches:
+        alive &= step
+        run += alive
+    return run
+
+
+def response_mask(batch: Batch) -> torch.Tensor:
+    """``[B, S]``: positions of response tokens."""
+    pos = torch.arange(batch.tokens.shape[1])
+    return (pos[None, :] >= batch.prompt_lens[:, None]) & (pos[None, :] < batch.lengths[:, None])
+
+
+def step_matches(drafter: Drafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
+                 depth: int = 6) -> torch.Tensor:
+    """``[depth, B, S]`` bool (CPU): whether step ``k`` of the drafting cycle that starts at position ``n`` drafts
+    the target's greedy token at ``n + k``, its inputs being the true tokens (as along greedy output until a miss).
+
+    ``greedy`` is the target's greedy token at each response position (:func:`full_argmax`);
+    entries whose position ``n + k`` is not a response token are False. How a step depends
+    on where its cycle starts is the drafter's: see :func:`_moa_step_matches` and
+    :meth:`EagleDrafter.unrolled`; an independent drafter reads tokens only, so one pass
+    serves every step.
     """
     if isinstance(drafter, MoADrafter):
-        return _moa_cycle_runs(drafter, target, batch, tgt, greedy, depth)
+        return _moa_step_matches(drafter, target, batch, tgt, greedy, depth)
     B, S = batch.tokens.shape
     device = tgt.final.device
-    pos = torch.arange(S)
-    response = (pos[None, :] >= batch.prompt_lens[:, None]) & (pos[None, :] < batch.lengths[:, None])
+    response = response_mask(batch)
     if isinstance(drafter, EagleDrafter):
         steps = drafter.unrolled(batch.tokens.to(device), tgt.final, depth)
     else:
         assert isinstance(drafter, IndependentDrafter)
         steps = [drafter(batch.tokens.to(device))]
-    matches = []
+    by_position = []
     for feats in steps:
         match = torch.zeros(B, S + depth, dtype=torch.bool)
         match[:, :S][response] = (drafter.to_target_ids(drafter.head(feats[response.to(device)]).argmax(-1)) == greedy).cpu()
-        matches.append(match)
-    if len(matches) == 1:  # the independent drafter's one pass, for every step
-        matches *= depth
-    run = torch.zeros(B, S, dtype=torch.long)
-    alive = response.clone()
-    for k in range(depth):  # step k of the cycle starting at n sits at position n + k
-        alive &= matches[k][:, k : k + S]
-        run += alive
-    return run
+        by_position.append(match)
+    if len(by_position) == 1:  # the independent drafter's one pass, for every step
+        by_position *= depth
+    return torch.stack([by_position[k][:, k : k + S] for k in range(depth)])  # step k of the cycle at n sits at n + k
 
 
-def _moa_cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
-                    depth: int) -> torch.Tensor:
-    """:func:`cycle_runs` for MoA, whose cycle depends only on where it starts.
+def _moa_step_matches(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
+                      depth: int) -> torch.Tensor:
+    """:func:`step_matches` for MoA, whose cycle depends only on where it starts.
 
     Its memory holds the target's states before that position, so ``depth`` passes,
     each with segments of ``depth`` positions shifted by one position from the last,
@@ -213,7 +234,7 @@ def _moa_cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt:
     B, S = batch.tokens.shape
     device = tgt.final.device
     pos = torch.arange(S)
-    runs = torch.zeros(B, S, dtype=torch.long)
+    out = torch.zeros(depth, B, S, dtype=torch.bool)
     for phase in range(depth):
         starts = torch.zeros(B, S, dtype=torch.long)
         for b in range(B):
@@ -223,12 +244,23 @@ def _moa_cycle_runs(drafter: MoADrafter, target: Transformer, batch: Batch, tgt:
         match = torch.zeros(B, S + depth, dtype=torch.bool)
         match[:, :S][masks.loss] = (drafter.to_target_ids(draft_logits.argmax(-1)) == greedy).cpu()
         first = masks.loss & (starts == pos) & ((pos[None, :] - batch.prompt_lens[:, None]) % depth == phase)
-        alive, run = first.clone(), torch.zeros(B, S, dtype=torch.long)
         for k in range(depth):  # a segment of this phase holds its start and the depth - 1 positions after it
-            alive &= match[:, k : k + S]
-            run += alive
-        runs = torch.where(first, run, runs)
-    return runs
+            out[k][first] = match[:, k : k + S][first]
+    return out
+
+
+def step_accuracy(matches: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hits, cases) per cycle step ``[depth]`` from :func:`step_matches`: how often step ``k`` drafts the
+    target's token when the steps before it were right (its inputs are the true tokens).
+
+    A cycle's first step reads the target's freshest state; later ones draft further
+    from it, so a drafter that reads its memory well is most accurate at step 0.
+    """
+    response = response_mask(batch)
+    depth, _, S = matches.shape
+    later = torch.cat([response, torch.zeros_like(response[:, :depth])], dim=1)
+    cases = torch.stack([(response & later[:, k : k + S]).sum() for k in range(depth)])
+    return (matches & response).flatten(1).sum(1), cases
 
 
 def simulate_chain(runs: Sequence[int], prompt_len: int, answer_len: int, depth: int = 6) -> list[int]:
