@@ -13,7 +13,9 @@ with the same ``--val-fraction``), per record:
   forcing would feed true features or tokens inside random segments;
 * ``top-1 by drafting step`` — how often step k of a cycle drafts the target's token
   when the steps before it were right: a drafter that reads the target's newest
-  state well is best at step 1 (the first draft), where every cycle starts.
+  state well is best at step 1 (the first draft), where every cycle starts;
+* MoA: first-draft top-1 when Cross-Attention may read only memory entries at least
+  G tokens back (``--memory-gaps``): how much the drafter draws from the newest ones.
 
     .venv/bin/python benchmarks/held_out_tau.py --data ~/.cache/moaspec/data/gpu/data{1..8} [--drafter DIR]
 """
@@ -28,10 +30,12 @@ import torch
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.models import load_model
-from moaspec.training.dataset import collate, load_examples
-from moaspec.training.distill import (acceptance_by_offset, accepted_runs, build_masks, drafter_loss, full_argmax, simulate_chain,
-                                      step_accuracy, step_matches)
-from moaspec.training.features import target_pass
+from moaspec.models.transformer import Transformer
+from moaspec.training.dataset import Batch, collate, load_examples
+from moaspec.training.distill import (Masks, acceptance_by_offset, accepted_runs, build_masks, drafter_loss, full_argmax,
+                                      masks_from_starts, predicted_features, simulate_chain, step_accuracy, step_matches)
+from moaspec.training.features import TargetOut, target_pass
+from moaspec.training.masks import cycle_starts
 
 
 def main() -> None:
@@ -41,6 +45,9 @@ def main() -> None:
     ap.add_argument("--val-fraction", type=float, default=0.02)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--head", type=int, default=128, help="also replay only the first HEAD answer tokens")
+    ap.add_argument("--memory-gaps", default="1,2,4,8,16,1024",
+                    help="MoA: first-draft top-1 when Cross-Attention sees only memory entries at least G tokens back "
+                         "(1 = as in decoding; a gap past the answer leaves the first token alone)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -53,6 +60,8 @@ def main() -> None:
     seg = {"greedy": [0.0, 0.0], "sampled": [0.0, 0.0]}  # accepted drafts, segments
     replay = {"whole": [0, 0], "head": [0, 0]}  # tokens, verifications
     hits, cases = torch.zeros(6), torch.zeros(6)  # per drafting step, greedy answers
+    gaps = [int(g) for g in args.memory_gaps.split(",")] if moa else []
+    reach = torch.zeros(len(gaps), 2)  # first-draft hits, positions per gap
     for ex in val:
         batch = collate([ex])
         with torch.no_grad():
@@ -69,6 +78,8 @@ def main() -> None:
                 h, c = step_accuracy(matches, batch)
                 hits, cases = hits + h, cases + c
                 runs = accepted_runs(matches, batch)[0].tolist()
+                for i, gap in enumerate(gaps):
+                    reach[i] += first_draft_with_gap(drafter, lm.model, batch, tgt, greedy, gap)
                 answer = len(ex.tokens) - ex.prompt_len
                 for name, n in (("whole", answer), ("head", min(answer, args.head))):
                     added = simulate_chain(runs, ex.prompt_len, n)
@@ -85,6 +96,29 @@ def main() -> None:
         print(f"{name:<42} tau {t / max(c, 1):.3f}  ({c} verifications)")
     print("top-1 by drafting step, greedy answers, true inputs: "
           + "  ".join(f"{k + 1}: {float(h / max(c, 1)):.3f}" for k, (h, c) in enumerate(zip(hits, cases))))
+    if gaps:
+        print("first-draft top-1 with memory entries only from G tokens back: "
+              + "  ".join(f"G={g}: {float(h / max(n, 1)):.3f}" for g, (h, n) in zip(gaps, reach.tolist())))
+
+
+def first_draft_with_gap(drafter: MoADrafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
+                         gap: int) -> torch.Tensor:
+    """[hits, positions]: first drafts (every response position a cycle start) when Cross-Attention sees only memory
+    entries at least ``gap`` positions before the query; the first token stays visible so that no row is empty.
+
+    Gap 1 is decoding itself. How much the top-1 falls as the gap grows says how much the drafter draws from the
+    target's newest states, the ones EAGLE's first draft reads.
+    """
+    S = batch.tokens.shape[1]
+    starts = cycle_starts(int(batch.prompt_lens[0]), int(batch.lengths[0]), 1, 0)[None]
+    masks = masks_from_starts(batch, starts, torch.zeros(1, dtype=torch.bool))
+    pos = torch.arange(S)
+    ca = masks.ca & (pos[:, None] - pos[None, :] >= gap)
+    ca[:, :, 0] = True
+    masks = Masks(masks.sa, ca, masks.starts, masks.loss)
+    logits = drafter.head(predicted_features(drafter, target, batch, masks, tgt)[0][0])
+    hit = drafter.to_target_ids(logits.argmax(-1)) == greedy
+    return torch.tensor([float(hit.sum()), float(hit.numel())])
 
 
 if __name__ == "__main__":
