@@ -17,7 +17,7 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.speculative import generate_chain
 from moaspec.drafters.proposers import proposer_for
 from moaspec.training.dataset import Batch, Example, collate
-from moaspec.training.distill import (Masks, build_masks, cycle_runs, full_argmax, simulate_chain, step_accuracy, step_matches,
+from moaspec.training.distill import (Masks, accepted_runs, build_masks, full_argmax, simulate_chain, step_accuracy, step_matches,
                                       tli_mask)
 from moaspec.training.features import target_pass
 from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
@@ -193,7 +193,7 @@ def test_batched_training_masks_equal_each_sequences_own() -> None:
 
 @pytest.mark.parametrize("tli,vocab,seed", [(0, 0, 0), (0, 64, 1), (1, 0, 2), (2, 0, 3)])
 def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, tli: int, vocab: int, seed: int) -> None:  # type: ignore[no-untyped-def]
-    """cycle_runs + simulate_chain (the held-out val_tau_decode) accept, cycle for cycle, what greedy chain-6 decoding accepts."""
+    """accepted_runs + simulate_chain (the held-out val_tau_decode) accept, cycle for cycle, what greedy chain-6 decoding accepts."""
     drafter = make_drafter(tiny_llama, tli=tli, vocab=vocab, seed=seed)
     prompt = torch.randint(3, tiny_llama.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
     res = generate_chain(tiny_llama.model, tiny_llama.tokenizer, proposer_for(drafter), prompt,
@@ -201,7 +201,8 @@ def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, tli: int, vocab: 
     batch = collate([Example(tuple(prompt + res.token_ids), len(prompt), greedy=True)])
     with torch.no_grad():
         tgt = target_pass(tiny_llama.model, batch.tokens, tli)
-        runs = cycle_runs(drafter, tiny_llama.model, batch, tgt, full_argmax(tiny_llama.model, tgt.final[0, len(prompt) :]))
+        matches = step_matches(drafter, tiny_llama.model, batch, tgt, full_argmax(tiny_llama.model, tgt.final[0, len(prompt) :]))
+        runs = accepted_runs(matches, batch)
     replayed = simulate_chain(runs[0].tolist(), len(prompt), len(res.token_ids))
     n = len(res.accepted_lengths) - (res.finish_reason == "stop")  # a stop token ends the real run's last cycle early
     assert replayed[:n] == res.accepted_lengths[:n]

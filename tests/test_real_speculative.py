@@ -28,7 +28,7 @@ from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.proposers import MoAProposer
 from moaspec.specbench import load_questions
 from moaspec.training.dataset import Example, collate
-from moaspec.training.distill import cycle_runs, full_argmax, simulate_chain
+from moaspec.training.distill import accepted_runs, full_argmax, simulate_chain, step_matches
 from moaspec.training.features import target_pass
 
 pytestmark = pytest.mark.real
@@ -104,7 +104,8 @@ def test_held_out_decode_replay_equals_real_chain_decoding(real_model, drafter) 
         batch = collate([Example(tuple(ids + res.token_ids), len(ids), greedy=True)])
         with torch.no_grad():
             tgt = target_pass(real_model.model, batch.tokens, 0)
-            runs = cycle_runs(drafter, real_model.model, batch, tgt, full_argmax(real_model.model, tgt.final[0, len(ids) :]))
+            matches = step_matches(drafter, real_model.model, batch, tgt, full_argmax(real_model.model, tgt.final[0, len(ids) :]))
+            runs = accepted_runs(matches, batch)
         replayed = simulate_chain(runs[0].tolist(), len(ids), len(res.token_ids))
         n = len(res.accepted_lengths) - (res.finish_reason == "stop")
         same += sum(a == b for a, b in zip(replayed[:n], res.accepted_lengths[:n]))

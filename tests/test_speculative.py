@@ -191,10 +191,10 @@ def fitted(proposer, loaded, tokens: list[int], steps: int = 150):  # type: igno
 
 @pytest.mark.parametrize("kind", ["eagle", "independent"])
 def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, kind: str) -> None:  # type: ignore[no-untyped-def]
-    """cycle_runs + simulate_chain (training's val_tau_decode) accept, cycle for cycle, what greedy chain-6 decoding
+    """accepted_runs + simulate_chain (training's val_tau_decode) accept, cycle for cycle, what greedy chain-6 decoding
     accepts — for EAGLE, whose later drafts read its own predicted features, and for an independent drafter."""
     from moaspec.training.dataset import Example, collate
-    from moaspec.training.distill import cycle_runs, full_argmax, simulate_chain
+    from moaspec.training.distill import accepted_runs, full_argmax, simulate_chain, step_matches
     from moaspec.training.features import target_pass
 
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -209,7 +209,8 @@ def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, kind: str) -> Non
         batch = collate([Example(tuple(prompt + want), len(prompt), greedy=True)])
         with torch.no_grad():
             tgt = target_pass(model, batch.tokens, 0)
-            runs = cycle_runs(proposer.drafter, model, batch, tgt, full_argmax(model, tgt.final[0, len(prompt) :]))
+            matches = step_matches(proposer.drafter, model, batch, tgt, full_argmax(model, tgt.final[0, len(prompt) :]))
+            runs = accepted_runs(matches, batch)
         assert simulate_chain(runs[0].tolist(), len(prompt), len(want)) == res.accepted_lengths
         accepted += sum(res.accepted_lengths) - len(res.accepted_lengths)
     assert accepted > 30  # the fitted drafters accept often, so the later steps of cycles are exercised

@@ -62,6 +62,7 @@ def test_training_reduces_the_loss_and_exports_a_drafter(tiny_llama, tiny_data: 
     val = read_log(tmp_path / "run" / "val_log.csv")[-1]
     assert 1.0 <= float(val["val_tau_chain6"]) <= 7.0
     assert 1.0 <= float(val["val_tau_decode"]) <= 7.0  # replayed real decoding of the held-out greedy answers
+    assert 0.0 <= float(val["val_first_draft"]) <= 1.0  # top-1 of those cycles' first drafts
     drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
     assert drafter.cfg.draft_vocab_size == 128
     meta = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())

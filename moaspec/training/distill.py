@@ -164,20 +164,14 @@ def full_argmax(target: Transformer, final: torch.Tensor) -> torch.Tensor:
         return F.linear(final, target.lm_head.weight).argmax(-1)
 
 
-def cycle_runs(drafter: Drafter, target: Transformer, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
-               depth: int = 6) -> torch.Tensor:
-    """``[B, S]`` (CPU): how many drafts a greedy chain of ``depth`` would accept in a cycle starting at each response position.
+def accepted_runs(matches: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``[B, S]``: how many drafts a greedy chain would accept in a cycle starting at each response position
+    (its leading matched steps, from :func:`step_matches`); 0 outside responses.
 
     Along the target's greedy output a cycle's drafts read the true tokens up to the
-    first miss, so every cycle can be computed teacher-forced, all positions at once
-    (:func:`step_matches`); :func:`simulate_chain` then follows the cycles real decoding
-    would run. Positions outside responses get 0.
+    first miss, so every cycle can be computed teacher-forced, all positions at once;
+    :func:`simulate_chain` then follows the cycles real decoding would run.
     """
-    return accepted_runs(step_matches(drafter, target, batch, tgt, greedy, depth), batch)
-
-
-def accepted_runs(matches: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """``[B, S]``: leading matched steps of the cycle at each response position, from :func:`step_matches`."""
     run = torch.zeros(matches.shape[1:], dtype=torch.long)
     alive = response_mask(batch)
     for step in matches:
@@ -249,14 +243,17 @@ def _moa_step_matches(drafter: MoADrafter, target: Transformer, batch: Batch, tg
     return out
 
 
-def step_accuracy(matches: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def step_accuracy(matches: torch.Tensor, batch: Batch, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(hits, cases) per cycle step ``[depth]`` from :func:`step_matches`: how often step ``k`` drafts the
     target's token when the steps before it were right (its inputs are the true tokens).
 
     A cycle's first step reads the target's freshest state; later ones draft further
     from it, so a drafter that reads its memory well is most accurate at step 0.
+    ``rows`` (bool ``[B]``) limits the count to some sequences, such as greedy answers.
     """
     response = response_mask(batch)
+    if rows is not None:
+        response &= rows[:, None]
     depth, _, S = matches.shape
     later = torch.cat([response, torch.zeros_like(response[:, :depth])], dim=1)
     cases = torch.stack([(response & later[:, k : k + S]).sum() for k in range(depth)])
@@ -266,7 +263,7 @@ def step_accuracy(matches: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, to
 def simulate_chain(runs: Sequence[int], prompt_len: int, answer_len: int, depth: int = 6) -> list[int]:
     """Tokens that each verification adds when greedy chains of ``depth`` drafts write ``answer_len`` tokens.
 
-    ``runs[s]`` is what a cycle starting at position ``s`` accepts (:func:`cycle_runs`).
+    ``runs[s]`` is what a cycle starting at position ``s`` accepts (:func:`accepted_runs`).
     The first token comes from the prefill; then each cycle drafts at most what is left
     of the budget, as :func:`moaspec.decoding.speculative.generate_chain` does, and
     adds its accepted drafts plus the target's own token.

@@ -37,7 +37,7 @@ def cycle_starts(prompt_len: int, seq_len: int, length: int, phase: int) -> torc
     A position before the first such start belongs to a shorter segment from
     ``prompt_len``. The ``length`` phases together give every response position a
     whole segment that starts there, which is what evaluating real decoding needs
-    (:func:`moaspec.training.distill.cycle_runs`).
+    (:func:`moaspec.training.distill.step_matches`).
     """
     if not 0 <= phase < length:
         raise ValueError(f"phase must be in 0..{length - 1}, got {phase}")

@@ -37,7 +37,8 @@ from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.training.dataset import (Batch, Example, batch_stream, collate, draft_vocabulary, load_examples, make_batches,
                                       read_manifest)
-from moaspec.training.distill import acceptance_by_offset, build_masks, cycle_runs, drafter_loss, full_argmax, simulate_chain
+from moaspec.training.distill import (acceptance_by_offset, accepted_runs, build_masks, drafter_loss, full_argmax, simulate_chain,
+                                      step_accuracy, step_matches)
 from moaspec.training.features import FeatureStore, TargetOut
 from moaspec.training.masks import staircase_probability
 
@@ -374,17 +375,19 @@ class Trainer:
         5..15 training segments. Real decoding starts each cycle right after the last
         miss, where drafting tends to be harder, so this overstates it.
         ``val_tau_decode`` is what greedy chain-6 decoding of the held-out greedy answers
-        gets, cycle for cycle (:func:`cycle_runs`, :func:`simulate_chain`), for every
-        kind of drafter, so MoA and EAGLE runs compare on it. ``val_tau_chain6`` is left
-        out for EAGLE, which teacher forcing feeds the target's true features inside
-        segments.
+        gets, cycle for cycle (:func:`~moaspec.training.distill.step_matches`,
+        :func:`simulate_chain`), for every kind of drafter, so MoA and EAGLE runs compare
+        on it; ``val_first_draft`` is the top-1 of those cycles' first drafts, the step
+        where MoA trails EAGLE (BENCHMARKS.md). ``val_tau_chain6`` is left out for EAGLE,
+        which teacher forcing feeds the target's true features inside segments.
         """
         cfg = self.cfg
         self.model.eval()
         gen = torch.Generator().manual_seed(12345)
         batches = make_batches(self.val_set, cfg.tokens_per_batch, cfg.seed, epoch=0)[: cfg.val_batches]
         mine = batches[self.acc.process_index :: self.acc.num_processes]
-        sums = torch.zeros(9)  # loss·n, kl·n, feature·n, n, accepted drafts, segments, top-1 matches, decoded tokens, cycles
+        # loss·n, kl·n, feature·n, n, accepted drafts, segments, top-1 matches, decoded tokens, cycles, first-draft hits, cases
+        sums = torch.zeros(11)
         raw = self.acc.unwrap_model(self.model)
         for idx in mine:
             batch = collate([self.val_set[i] for i in idx])
@@ -406,16 +409,20 @@ class Trainer:
         return {"val_loss": round(float(sums[0]) / n, 5), "val_kl": round(float(sums[1]) / n, 5),
                 "val_feature": round(float(sums[2]) / n, 5), "val_top1": round(float(sums[6]) / n, 4),
                 "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4) if cfg.kind == "moa" else "",
-                "val_tau_decode": round(float(sums[7]) / float(sums[8]), 4) if sums[8] else ""}
+                "val_tau_decode": round(float(sums[7]) / float(sums[8]), 4) if sums[8] else "",
+                "val_first_draft": round(float(sums[9]) / float(sums[10]), 4) if sums[10] else ""}
 
     def decode_greedy_answers(self, drafter: Drafter, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
-                              depth: int = 6) -> list[int]:
-        """[tokens, verifications] of greedy chain-``depth`` decoding replayed along the batch's greedy answers."""
+                              depth: int = 6) -> list[float]:
+        """[tokens, verifications] of greedy chain-``depth`` decoding replayed along the batch's greedy answers,
+        then [hits, cases] of the first drafts of all cycles along them."""
         with self.acc.autocast():
-            runs = cycle_runs(drafter, self.target.model, batch, tgt, greedy, depth)
+            matches = step_matches(drafter, self.target.model, batch, tgt, greedy, depth)
+        runs = accepted_runs(matches, batch)
         tokens = cycles = 0
         for b in (b for b, is_greedy in enumerate(batch.greedy) if is_greedy):
             p, n = int(batch.prompt_lens[b]), int(batch.lengths[b])
             added = simulate_chain(runs[b].tolist(), p, n - p, depth)
             tokens, cycles = tokens + sum(added), cycles + len(added)
-        return [tokens, cycles]
+        hits, cases = step_accuracy(matches, batch, torch.tensor(batch.greedy, dtype=torch.bool))
+        return [tokens, cycles, float(hits[0]), float(cases[0])]
