@@ -214,4 +214,3 @@ def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, tli: int, vocab: 
     hits, cases = step_accuracy(matches, batch)
     assert cases.tolist() == [len(res.token_ids) - k for k in range(6)]  # every answer position starts a cycle
     assert all(0 <= h <= c for h, c in zip(hits.tolist(), cases.tolist()))
-
