@@ -133,8 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lsa-width", type=int, default=None,
                    help="LSA width, a multiple of 64 (default: half a layer's K/V width; the paper's is the full width)")
     t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: twice the LSA width)")
-    t.add_argument("--no-lsa", action="store_true",
-                   help="ablation: MoA's memory from the target's final states instead of Layer Self-Attention over all layers")
+    memory = t.add_mutually_exclusive_group()
+    memory.add_argument("--no-lsa", action="store_true",
+                        help="ablation: MoA's memory from the target's final states instead of Layer Self-Attention over all layers")
+    memory.add_argument("--memory-final", action="store_true",
+                        help="extension beyond the paper: each memory entry adds a projection of the target's final state "
+                             "of its token to LSA's output (with --init-from a plain MoA drafter: added at zero)")
     t.add_argument("--layers", type=int, default=None,
                    help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
     t.add_argument("--init-from", default="", help="start from this exported drafter (RUN/drafter) instead of random weights; a MoA one may change --tli-layers")
@@ -383,8 +387,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
-    if args.kind != "moa" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_width or args.lsa_mlp or args.no_lsa):
-        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp and --no-lsa apply to MoA drafters only")
+    if args.kind != "moa" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_width or args.lsa_mlp or args.no_lsa
+                                or args.memory_final):
+        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp, --no-lsa and --memory-final "
+                           "apply to MoA drafters only")
     if args.lsa_width is not None and (args.lsa_width <= 0 or args.lsa_width % 64):
         raise MoaspecError(f"--lsa-width must be a positive multiple of 64 (LSA's heads are 64 wide), got {args.lsa_width}")
     if args.layers is not None and (args.kind != "independent" or not 1 <= args.layers < loaded.cfg.num_layers):
@@ -392,7 +398,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     sizes: dict[str, int | str | None] = {}
     if args.kind == "moa":
         sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_width": args.lsa_width, "lsa_mlp": args.lsa_mlp,
-                 "memory_source": "last-layer" if args.no_lsa else None}
+                 "memory_source": "last-layer" if args.no_lsa else "lsa+final" if args.memory_final else None}
     elif args.kind == "independent":
         sizes = {"layers": args.layers}
     trainer = Trainer(loaded, [Path(d) for d in args.data], Path(args.output), cfg, sizes, progress=not args.no_progress)

@@ -131,7 +131,7 @@ def test_the_memory_from_the_server_is_what_the_drafter_computes_locally(tiny_ll
     answer = remote.open(PROMPT, "moa", "fp16", 8)
     cache = tiny_llama.model.new_cache(64)
     tiny_llama.model(torch.tensor([PROMPT]), cache)
-    local = drafter.memory(cache.token_kv(0, len(PROMPT)))[0]
+    local = drafter.memory(cache.token_kv(0, len(PROMPT)), None)[0]
     assert torch.allclose(codec.decode(answer["state"]), local, atol=2e-3 * local.abs().max().item())
     remote.close(answer["session"])
 
@@ -232,7 +232,7 @@ def test_one_server_serves_clients_of_several_moa_drafters(tiny_llama, drafter, 
         answer = remote.open(PROMPT, "moa", "fp16", 8, drafter=tli_drafter.fingerprint())
         cache = tiny_llama.model.new_cache(64)
         tiny_llama.model(torch.tensor([PROMPT]), cache)
-        local = tli_drafter.memory(cache.token_kv(0, len(PROMPT)))[0]
+        local = tli_drafter.memory(cache.token_kv(0, len(PROMPT)), None)[0]
         assert torch.allclose(codec.decode(answer["state"]), local, atol=2e-3 * local.abs().max().item())
         with pytest.raises(ServerRefused, match="several MoA drafters"):
             remote.open(PROMPT, "moa", "fp16", 8)

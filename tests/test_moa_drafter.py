@@ -23,31 +23,34 @@ from moaspec.training.features import target_pass
 from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
 
 
-def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0) -> MoADrafter:  # type: ignore[no-untyped-def]
+def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: str = "lsa") -> MoADrafter:  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
-    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab))
+    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory))
+    if d.final_proj is not None:  # it starts at zero, which would hide the final state's path from the test
+        torch.nn.init.normal_(d.final_proj.weight, std=0.05)
     if vocab:
         d.set_draft_vocab(torch.randperm(loaded.cfg.vocab_size)[:vocab].sort().values)
     d.attach(loaded.model)
     return d.eval()
 
 
-@pytest.mark.parametrize("tli, together", [(0, False), (1, False), (2, False), (1, True), (2, True)])
-def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tli, together, memory", [(0, False, "lsa"), (1, False, "lsa"), (2, False, "lsa"), (1, True, "lsa"),
+                                                   (2, True, "lsa"), (0, False, "last-layer"), (1, True, "lsa+final")])
+def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool, memory: str) -> None:  # type: ignore[no-untyped-def]
     """Drafting after a verification at position p sees exactly what training shows a segment starting at p."""
-    drafter = make_drafter(tiny_llama, tli=tli, vocab=64)
+    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory)
     target = tiny_llama.model
     S, p = 24, 9
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
     cache = target.new_cache(S)
-    target(tokens, cache)
+    final = target(tokens, cache).hidden
     starts = torch.zeros(S, dtype=torch.long)
     starts[p:] = p  # one segment: every response position sees memory < p
     batch = Batch(tokens, torch.tensor([S]), torch.tensor([p]))
     masks = Masks(sa=torch.ones(S, S, dtype=torch.bool).tril()[None], ca=cross_attention_mask(starts, p)[None],
                   starts=starts[None], loss=(torch.arange(S) >= p)[None])
     with torch.no_grad():
-        pred = drafter(tokens, cache.token_kv(0, S), masks.sa, masks.ca)
+        pred = drafter(tokens, cache.token_kv(0, S), final, masks.sa, masks.ca)
         if tli:
             L = tiny_llama.cfg.num_layers
             tc = KVCache(tli, tiny_llama.cfg.num_kv_heads, tiny_llama.cfg.head_dim, 2 * S)
@@ -57,7 +60,7 @@ def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int
         trained = drafter.head(pred[:, p:])
 
     state = drafter.new_state(64)
-    drafter.observe(state, cache, p)
+    drafter.observe(state, cache, p, final[0, :p])
     cache.truncate(p)  # the drafter writes its own TLI states from p on
     # all at once (the prompt plus its first outputs), then one token at a time, as chain drafting does
     first = drafter.step(state, tokens[:, : p + 1], torch.arange(p + 1), None, outputs=1, target_cache=cache)

@@ -25,7 +25,7 @@ PROMPTS = ["Explain in three sentences why the sky is blue.", "List three uses o
 def setup(real_model) -> Iterator[tuple[str, object, object]]:  # type: ignore[no-untyped-def]
     """A server holding the shipped drafter's LSA half and that of an N = 1 copy of it (untrained for N = 1)."""
     drafter = load_drafter(shipped_drafter(real_model), real_model)
-    tli = drafter.with_tli_layers(1)
+    tli = drafter.adapted(tli_layers=1)
     tli.attach(real_model.model)
     tli.eval()
     app = create_app(Engine(real_model, Strategy()), "smollm2", sessions=SessionStore(real_model, [drafter, tli]))

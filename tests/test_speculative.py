@@ -49,6 +49,8 @@ class OracleProposer:
 def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa") -> MoAProposer:  # type: ignore[no-untyped-def]
     torch.manual_seed(3)
     d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory))
+    if d.final_proj is not None:  # it starts at zero, which would leave the final state unread
+        torch.nn.init.normal_(d.final_proj.weight, std=0.05)
     if vocab:
         d.set_draft_vocab(torch.arange(vocab))
     d.attach(loaded.model)
@@ -77,7 +79,7 @@ def independent_proposer(loaded, vocab: int = 0, layers: int = 1) -> Independent
 PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 
 
-@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "eagle",
+@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "eagle",
                                   "independent", "independent-whole"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
@@ -91,6 +93,7 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "independent": lambda: independent_proposer(tiny_llama, vocab=100),
             "independent-whole": lambda: independent_proposer(tiny_llama, layers=tiny_llama.cfg.num_layers),
             "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
+            "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)

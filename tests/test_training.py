@@ -86,6 +86,7 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
 @pytest.mark.parametrize("cfg, sizes", [
     (dict(tli_layers=2), None),  # two reused layers: backward runs through both
     (dict(), {"memory_source": "last-layer"}),  # the ablation without LSA
+    (dict(tli_layers=1), {"memory_source": "lsa+final"}),  # LSA plus the final state
     (dict(), {"lsa_width": 128}),  # LSA wider than the default
 ])
 def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes) -> None:  # type: ignore[no-untyped-def]
@@ -97,7 +98,7 @@ def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes)
     assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in log)
     drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
     assert drafter.cfg.tli_layers == cfg.get("tli_layers", 0)
-    assert drafter.uses_lsa == ((sizes or {}).get("memory_source") != "last-layer")
+    assert drafter.cfg.memory_source == (sizes or {}).get("memory_source", "lsa")
     if sizes and "lsa_width" in sizes:
         assert (drafter.cfg.lsa_width, drafter.cfg.lsa_heads) == (128, 2)
 
@@ -290,6 +291,28 @@ def test_warm_start_may_change_the_tli_depth(tiny_llama, tiny_data: Path, tmp_pa
                    progress=False).raw
     assert back.cfg.tli_layers == 0
     torch.testing.assert_close(back.out_norm.weight, tiny_llama.model.norm.float())
+
+
+def test_warm_start_may_add_the_final_state_to_the_memory(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """"lsa" -> "lsa+final": every weight carries over and the new projection starts at zero, so the memory is
+    unchanged until training moves it; the way back would drop what was learnt, and is refused."""
+    from moaspec.drafters.checkpoint import load_drafter
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "lsa", small(steps=2), progress=False).train()
+    first = load_drafter(tmp_path / "lsa" / "drafter", tiny_llama)
+    t = Trainer(tiny_llama, tiny_data, tmp_path / "final", small(steps=4, init_from=str(tmp_path / "lsa" / "drafter")),
+                {"memory_source": "lsa+final"}, progress=False)
+    assert t.raw.cfg.memory_source == "lsa+final" and not t.raw.final_proj.weight.any()
+    cache = tiny_llama.model.new_cache(12)
+    final = tiny_llama.model(torch.arange(12)[None] + 3, cache).hidden
+    with torch.no_grad():
+        torch.testing.assert_close(t.raw.memory(cache.token_kv(0, 12), final), first.memory(cache.token_kv(0, 12), None))
+    t.train()
+    trained = load_drafter(tmp_path / "final" / "drafter", tiny_llama)
+    assert trained.cfg.memory_source == "lsa+final" and trained.final_proj.weight.any()
+    with pytest.raises(MoaspecError, match="cannot continue as one with 'lsa'"):
+        Trainer(tiny_llama, tiny_data, tmp_path / "back", small(steps=1, init_from=str(tmp_path / "final" / "drafter")),
+                {"memory_source": "lsa"}, progress=False)
 
 
 def test_independent_training_starts_from_the_target_and_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@
 Data flow for one drafted position ``j``::
 
     target K/V of every layer, per verified token i ──LSA──► mean over layers ──proj──► memory[i]
+    (optional, beyond the paper: + a projection of the target's final state of token i)
     token embeddings x_0..x_j ──SA (causal, own cache)──► s_j
     s_j ──CA over memory[i], i < start of the drafting cycle──► f_j
     N = 0: f_j ≈ target's final hidden h_j      → lm_head → draft logits for x_{j+1}
@@ -29,7 +30,9 @@ from moaspec.models.packed_linear import Linear
 from moaspec.models.transformer import Transformer, causal_mask, rope_tables
 
 
-MEMORY_SOURCES = ("lsa", "last-layer")
+# "lsa": the paper's memory; "last-layer": the target's final states instead (the ablation without LSA);
+# "lsa+final": both, summed (an extension: the newest entry then carries the target's own next-token state)
+MEMORY_SOURCES = ("lsa", "last-layer", "lsa+final")
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class MoAConfig(DrafterConfig):
     lsa_head_dim: int = 64
     lsa_mlp: int = 384
     tli_layers: int = 0  # N: how many of the target's last layers run on the drafter's prediction
-    memory_source: str = "lsa"  # "lsa": LSA over every layer's K/V; "last-layer": the target's final states (ablation)
+    memory_source: str = "lsa"  # one of MEMORY_SOURCES
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "MoAConfig":
@@ -95,11 +98,17 @@ class MoADrafter(Drafter):
     def __init__(self, cfg: MoAConfig) -> None:
         super().__init__(cfg)
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.uses_lsa = cfg.memory_source == "lsa"
+        self.uses_lsa = cfg.memory_source != "last-layer"
+        self.reads_final = cfg.memory_source != "lsa"
         if self.uses_lsa:
             self.lsa_in = Linear(cfg.target_kv_width, cfg.lsa_width, bias=False)
             self.lsa = DecoderLayer(cfg.lsa_width, cfg.lsa_heads, cfg.lsa_kv_heads, cfg.lsa_head_dim, cfg.lsa_mlp, eps)
         self.lsa_proj = Linear(cfg.lsa_width if self.uses_lsa else d, d, bias=False)
+        self.final_proj: Linear | None = None
+        if self.uses_lsa and self.reads_final:
+            # starts at zero: a drafter trained without it computes the same memory until training uses it
+            self.final_proj = Linear(d, d, bias=False)
+            torch.nn.init.zeros_(self.final_proj.weight)
         self.memory_norm = RMSNorm(d, eps)
         self.sa = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.sa_mlp, eps)
         self.ca = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ca_mlp, eps, source_dim=d)
@@ -115,24 +124,31 @@ class MoADrafter(Drafter):
                              f"target holds {held} (a client bundle made for another drafter? export one for this one)")
         super().attach(target, vocab_limit)
 
-    def with_tli_layers(self, tli_layers: int) -> "MoADrafter":
-        """A copy whose prediction feeds the target's last ``tli_layers`` layers: a warm start for training.
+    def adapted(self, tli_layers: int | None = None, memory_source: str | None = None) -> "MoADrafter":
+        """A copy with another N or with the final state added to its memory: a warm start for training.
 
         LSA, SA and CA build the drafter's picture of the context and carry over
-        unchanged; only what CA's output is compared with changes (the target's final
-        state for N = 0, its state after layer L−N otherwise), and with it the output
-        norm, which exists only for N = 0 and then starts as the target's final norm.
+        unchanged. A new N changes only what CA's output is compared with (the target's
+        final state for N = 0, its state after layer L−N otherwise), and with it the
+        output norm, which exists only for N = 0 and then starts as the target's final
+        norm. Going from "lsa" to "lsa+final" adds the final state's projection at zero,
+        so the copy drafts exactly as the original until training moves it.
         Call on an attached drafter.
         """
         from dataclasses import replace
 
         target = self.target
-        cfg = replace(self.cfg, tli_layers=tli_layers)
+        cfg = replace(self.cfg, tli_layers=self.cfg.tli_layers if tli_layers is None else tli_layers,
+                      memory_source=memory_source or self.cfg.memory_source)
         cfg.check_target(target.cfg)
+        if cfg.memory_source != self.cfg.memory_source and (self.cfg.memory_source, cfg.memory_source) != ("lsa", "lsa+final"):
+            raise ValueError(f"a drafter with memory {self.cfg.memory_source!r} cannot continue as one with "
+                             f"{cfg.memory_source!r} (only 'lsa' can gain the final state)")
         new = MoADrafter(cfg).to(device=self.lsa_proj.weight.device, dtype=self.weight_dtype)
         missing, unexpected = new.load_state_dict(self.state_dict(), strict=False)
-        assert {k.split(".")[0] for k in missing + unexpected} <= {"out_norm"}, (missing, unexpected)
-        new.start_out_norm_from(target)
+        assert {k.split(".")[0] for k in missing + unexpected} <= {"out_norm", "final_proj"}, (missing, unexpected)
+        if cfg.tli_layers != self.cfg.tli_layers:
+            new.start_out_norm_from(target)
         new.attach(target)
         return new
 
@@ -143,32 +159,38 @@ class MoADrafter(Drafter):
 
     # --- pieces shared by training and inference ----------------------------------------
 
-    def memory(self, source: torch.Tensor) -> torch.Tensor:
+    def memory(self, token_kv: torch.Tensor | None, final: torch.Tensor | None) -> torch.Tensor:
         """Memory entries ``[B, T, d]`` of verified tokens.
 
-        With LSA (the method), ``source`` is every layer's K/V per token, ``[B, T, L, kv_width]``,
-        attended over the layer axis. The ablation without LSA reads the target's final
-        states ``[B, T, d]`` instead, as EAGLE does.
+        With LSA (the method), from ``token_kv``, every layer's K/V per token
+        ``[B, T, L, kv_width]``, attended over the layer axis. The ablation without LSA
+        reads ``final``, the target's final states ``[B, T, d]``, instead, as EAGLE does;
+        "lsa+final" reads both. Each reads only what its memory source needs.
         """
         if not self.uses_lsa:
-            return self.memory_norm(self.lsa_proj(source.to(self.weight_dtype)))
-        B, T, L, W = source.shape
-        x = self.lsa_in(source.reshape(B * T, L, W).to(self.weight_dtype))
+            assert final is not None
+            return self.memory_norm(self.lsa_proj(final.to(self.weight_dtype)))
+        assert token_kv is not None
+        B, T, L, W = token_kv.shape
+        x = self.lsa_in(token_kv.reshape(B * T, L, W).to(self.weight_dtype))
         x = self.lsa.self_attention(x, self.layer_cos, self.layer_sin, mask=None)
-        return self.memory_norm(self.lsa_proj(x.mean(dim=1))).view(B, T, -1)
+        x = self.lsa_proj(x.mean(dim=1)).view(B, T, -1)
+        if self.final_proj is not None:
+            assert final is not None
+            x = x + self.final_proj(final.to(self.weight_dtype))
+        return self.memory_norm(x)
 
     def memory_entries(self, target_cache: KVCache, start: int, end: int, hidden: torch.Tensor | None) -> torch.Tensor:
-        """Entries ``[end - start, d]`` for verified positions ``start..end-1`` from the target's cache, or from
-        ``hidden``, the target's final states of (at least) the last of them, for the ablation without LSA."""
-        if self.uses_lsa:
-            return self.memory(target_cache.token_kv(start, end))[0]
-        if hidden is None or hidden.shape[0] < end - start:
-            raise ValueError("a MoA drafter without LSA needs the target's final states of the newly verified tokens")
-        return self.memory(hidden[hidden.shape[0] - (end - start) :][None])[0]
-
-    def memory_source_of(self, token_kv: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
-        """What :meth:`memory` reads in training, from the target's features."""
-        return token_kv if self.uses_lsa else final
+        """Entries ``[end - start, d]`` for verified positions ``start..end-1`` from the target's cache and/or
+        ``hidden``, the target's final states of (at least) the last of them (read without LSA or with "lsa+final")."""
+        final = None
+        if self.reads_final:
+            if hidden is None or hidden.shape[0] < end - start:
+                raise ValueError(f"a MoA drafter with memory {self.cfg.memory_source!r} needs the target's final "
+                                 "states of the newly verified tokens")
+            final = hidden[hidden.shape[0] - (end - start) :][None]
+        token_kv = target_cache.token_kv(start, end) if self.uses_lsa else None
+        return self.memory(token_kv, final)[0]
 
     def predict(self, s: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mem_k: torch.Tensor,
                 mem_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -194,10 +216,11 @@ class MoADrafter(Drafter):
 
     # --- training -----------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, memory_source: torch.Tensor, sa_mask: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, token_kv: torch.Tensor, final: torch.Tensor, sa_mask: torch.Tensor,
                 ca_mask: torch.Tensor) -> torch.Tensor:
         """Teacher-forced pass over whole sequences: predicted states ``[B, S, d]`` for every position.
 
+        ``token_kv``/``final``: the target's features of the whole sequences (see :meth:`memory`);
         ``sa_mask``/``ca_mask`` are bool ``[B, S, S]`` (see :mod:`moaspec.training.masks`).
         For N > 0 the result is the predicted state after layer L−N; the trainer runs
         :meth:`run_tli` on it with the target's true states of those layers.
@@ -205,7 +228,7 @@ class MoADrafter(Drafter):
         S = tokens.shape[1]
         cos, sin = self.rope(torch.arange(S, device=tokens.device))
         s = self.sa.self_attention(self.target.embed(tokens).to(cos.dtype), cos, sin, sa_mask)
-        mem_k, mem_v = self.ca.attn.keys_values(self.memory(memory_source), cos, sin)
+        mem_k, mem_v = self.ca.attn.keys_values(self.memory(token_kv, final), cos, sin)
         return self.predict(s, cos, sin, mem_k, mem_v, ca_mask)
 
     # --- inference ----------------------------------------------------------------------
@@ -220,7 +243,7 @@ class MoADrafter(Drafter):
     def observe(self, state: MoAState, target_cache: KVCache, verified: int, hidden: torch.Tensor | None = None) -> None:
         """Add the tokens verified since the last call (up to position ``verified``) to the memory.
 
-        ``hidden``: the target's final states of the newly verified tokens (read only without LSA).
+        ``hidden``: the target's final states of the newly verified tokens (read when the memory source needs them).
         """
         start = state.memory.length
         if verified > start:

@@ -121,7 +121,7 @@ def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, mask
         N = 0
     else:
         assert isinstance(drafter, MoADrafter)
-        pred = (wrapped or drafter)(batch.tokens.to(device), drafter.memory_source_of(tgt.token_kv, tgt.final),
+        pred = (wrapped or drafter)(batch.tokens.to(device), tgt.token_kv, tgt.final,
                                     masks.sa.to(device), masks.ca.to(device))
         N = drafter.cfg.tli_layers
     if not N:

@@ -132,7 +132,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         drafter: Drafter
         if cfg.init_from:
-            drafter = self._warm_start(target, Path(cfg.init_from))
+            drafter = self._warm_start(target, Path(cfg.init_from), (sizes or {}).get("memory_source"))
         elif cfg.kind == "moa":
             drafter = MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers,
                                                       draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
@@ -164,8 +164,11 @@ class Trainer:
         self.step, self.tokens, self.wall = 0, 0, 0.0
         self._resume()
 
-    def _warm_start(self, target: LoadedModel, path: Path) -> Drafter:
-        """Continue from an exported drafter (its architecture and draft vocabulary), e.g. on more data."""
+    def _warm_start(self, target: LoadedModel, path: Path, memory_source: str | None) -> Drafter:
+        """Continue from an exported drafter (its architecture and draft vocabulary), e.g. on more data.
+
+        A MoA drafter may change its N, or gain the final state in its memory (``memory_source``).
+        """
         from moaspec.drafters.checkpoint import load_drafter
 
         drafter = load_drafter(path, target)
@@ -174,8 +177,12 @@ class Trainer:
         if drafter.cfg.draft_vocab_size != self.cfg.draft_vocab:
             raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size}; "
                                "pass the same --draft-vocab")
-        if isinstance(drafter, MoADrafter) and drafter.cfg.tli_layers != self.cfg.tli_layers:
-            drafter = drafter.with_tli_layers(self.cfg.tli_layers)  # e.g. try N = 1 from a trained N = 0
+        if isinstance(drafter, MoADrafter) and (drafter.cfg.tli_layers != self.cfg.tli_layers
+                                                or memory_source not in (None, drafter.cfg.memory_source)):
+            try:  # e.g. try N = 1 from a trained N = 0
+                drafter = drafter.adapted(self.cfg.tli_layers, memory_source)
+            except ValueError as e:
+                raise MoaspecError(f"--init-from {path}: {e}") from e
         return drafter.float().requires_grad_(True)
 
     def _reference_data(self, target: LoadedModel, run: Path) -> tuple[dict[int, int], torch.Tensor | None]:
