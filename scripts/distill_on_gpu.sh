@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # Distillation on one GPU within a wall-clock budget: the target writes its own data for
 # DATA_S seconds (several `moaspec data` processes, each its own seed and directory), then
-# a MoA drafter and an EAGLE drafter train side by side on exactly the same batches for
-# about TRAIN_S seconds. The number of updates comes from a 30-update calibration of both,
-# so the cosine schedule ends when the budget does.
+# a MoA drafter and an EAGLE drafter (or the DRAFTERS listed) train side by side on exactly
+# the same batches for about TRAIN_S seconds. The number of updates comes from a 30-update
+# calibration of each, so the cosine schedule ends when the budget does.
 #
 # Usage: scripts/distill_on_gpu.sh OUT [extra `moaspec train` options...]
-#   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec)
-# Drafters land in OUT/moa/drafter and OUT/eagle/drafter. The target runs in fp32, so the data
+#   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
+#        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final, and moa-seg1, segments of 1)
+# Drafters land in OUT/NAME/drafter for each NAME of DRAFTERS. The target runs in fp32, so the data
 # and features are those of the fp32 CPU target the drafters are deployed with.
 # Data shards are atomic, so stopping a `moaspec data` process at its deadline loses only the
 # shard it was writing.
 set -uo pipefail
 OUT=${1:?usage: $0 OUT [train options...]}; shift
 MODEL=${MODEL:-smollm2}; PROCS=${PROCS:-4}; DATA_S=${DATA_S:-300}; TRAIN_S=${TRAIN_S:-600}
+read -r -a DRAFTERS <<< "${DRAFTERS:-moa eagle}"
+options() {  # the `moaspec train` options of a drafter name
+    case $1 in
+        moa) echo --kind moa ;;
+        eagle) echo --kind eagle ;;
+        moa-final) echo --kind moa --memory-final ;;
+        moa-seg1) echo --kind moa --segment-min 1 --segment-max 1 ;;
+        *) return 1 ;;
+    esac
+}
+for k in "${DRAFTERS[@]}"; do options "$k" > /dev/null || { echo "unknown drafter $k in DRAFTERS" >&2; exit 1; }; done
 read -r -a MOASPEC <<< "${MOASPEC:-python3 -m moaspec}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 mkdir -p "$OUT"
@@ -33,21 +45,21 @@ done
 
 COMMON=(--model "$MODEL" --dtype float32 --data "${DATA[@]}" --tokens-per-batch 16384 --lr 8e-4 --warmup 100
         --max-len 1024 --no-feature-cache --no-progress "$@")
-log "calibration: 30 updates of each drafter, side by side"
-for k in moa eagle; do
-    "${MOASPEC[@]}" train "${COMMON[@]}" --kind $k --output "$OUT/cal-$k" --steps 30 --eval-every 1000 --save-every 1000 \
+log "calibration: 30 updates of each drafter (${DRAFTERS[*]}), side by side"
+for k in "${DRAFTERS[@]}"; do
+    "${MOASPEC[@]}" train "${COMMON[@]}" $(options "$k") --output "$OUT/cal-$k" --steps 30 --eval-every 1000 --save-every 1000 \
         > "$OUT/cal-$k.log" 2>&1 &
 done
 wait
 STEPS=$(python3 -c "
 import json
-w = max(json.load(open(f'$OUT/cal-{k}/progress.json'))['wall_s'] for k in ('moa', 'eagle'))
+w = max(json.load(open(f'$OUT/cal-{k}/progress.json'))['wall_s'] for k in '${DRAFTERS[*]}'.split())
 print(max(100, int(0.88 * $TRAIN_S / (w / 30))))") || { echo "calibration failed: see $OUT/cal-*.log" >&2; exit 1; }
 log "training: $STEPS updates each"
-for k in moa eagle; do
-    "${MOASPEC[@]}" train "${COMMON[@]}" --kind $k --output "$OUT/$k" --steps "$STEPS" --eval-every 250 --save-every 100 \
+for k in "${DRAFTERS[@]}"; do
+    "${MOASPEC[@]}" train "${COMMON[@]}" $(options "$k") --output "$OUT/$k" --steps "$STEPS" --eval-every 250 --save-every 100 \
         > "$OUT/$k.log" 2>&1 &
 done
 wait
-for k in moa eagle; do tail -n 2 "$OUT/$k.log"; done
-log "done: $OUT/moa/drafter, $OUT/eagle/drafter"
+for k in "${DRAFTERS[@]}"; do tail -n 2 "$OUT/$k.log"; done
+log "done: $(printf "$OUT/%s/drafter " "${DRAFTERS[@]}")"
