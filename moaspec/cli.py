@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "of its token to LSA's output (with --init-from a plain MoA drafter: added at zero)")
     t.add_argument("--layers", type=int, default=None,
                    help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
-    t.add_argument("--init-from", default="", help="start from this exported drafter (RUN/drafter) instead of random weights; a MoA one may change --tli-layers")
+    t.add_argument("--init-from", default="",
+                   help="start from this exported drafter (RUN/drafter) instead of random weights; "
+                        "a MoA one may change --tli-layers or add --memory-final")
     t.add_argument("--same-data-as", default="", metavar="RUN",
                    help="train on exactly the batches another run used (its shards per epoch and draft vocabulary): "
                         "a like-for-like comparison even after the data set grew")
