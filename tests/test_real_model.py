@@ -39,6 +39,21 @@ def test_default_model_facts(real_model) -> None:  # type: ignore[no-untyped-def
     assert real_model.tokenizer.chat_template
 
 
+def test_tokenizer_loaded_directly_is_autotokenizers(real_model) -> None:  # type: ignore[no-untyped-def]
+    """The converted cache loads its tokenizer class directly (fast start); AutoTokenizer must agree."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(real_model.path))
+    tok = real_model.tokenizer
+    assert type(tok) is type(auto)
+    messages = chat_messages("Write a haiku about the sea.", system="Be brief.")
+    assert encode_chat(tok, messages) == encode_chat(auto, messages)
+    ids = tok.encode(PROMPTS[-1] + " ünïcödé 😀\n\tdef f(x):")
+    assert ids == auto.encode(PROMPTS[-1] + " ünïcödé 😀\n\tdef f(x):")
+    assert tok.decode(ids) == auto.decode(ids)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (auto.eos_token_id, auto.bos_token_id, auto.pad_token_id)
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("packed", [False, True])
 def test_logits_match_transformers(real_model, hf, prompt: str, packed: bool) -> None:  # type: ignore[no-untyped-def]

@@ -176,10 +176,24 @@ def fingerprint(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
 
 
 def load_tokenizer(path: Path) -> object:
-    from transformers import AutoTokenizer  # deferred: importing transformers costs ~1 s
+    """The tokenizer saved in ``path``.
 
+    Directories this project wrote (a converted GGUF, a client bundle) name the exact class
+    transformers chose when they were made, and load it directly. ``AutoTokenizer`` would
+    choose it again, after importing the model's config class and, through it, much of
+    transformers and torch's compiler: ~3 s of a CLI call's start-up, for the same tokenizer.
+    """
+    import transformers  # deferred: importing transformers costs ~1 s
+
+    cls = transformers.AutoTokenizer
+    if (path / "moaspec-source.json").is_file() or (path.parent / "bundle.json").is_file():
+        try:
+            name = json.loads((path / "tokenizer_config.json").read_text())["tokenizer_class"]
+            cls = getattr(transformers, name)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # not what we wrote: let AutoTokenizer decide
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return cls.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {str(exc).splitlines()[0]}") from None
 

@@ -23,9 +23,15 @@ from moaspec.models.packed_linear import Linear
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[max_positions, head_dim]`` in the half-split layout HF checkpoints use."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    """cos/sin tables ``[max_positions, head_dim]`` in the half-split layout HF checkpoints use.
+
+    Always computed on the CPU (modules move them with ``.to``): under the meta device, where
+    loading builds models, this arithmetic would run torch's Python reference ops, whose first
+    use costs ~1.5 s of imports.
+    """
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -139,7 +145,10 @@ class Transformer(nn.Module):
         if not 0 <= first_block <= cfg.num_layers:
             raise ValueError(f"first_block must be in 0..{cfg.num_layers}, got {first_block}")
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # initialised here, not by nn.Embedding: its normal_ on the meta device is slow (see rope_tables)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        if not self.embed.weight.is_meta:
+            nn.init.normal_(self.embed.weight)
         self.first_block = first_block
         self.blocks = nn.ModuleList(Block(cfg, qkv_bias) for _ in range(first_block, cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
