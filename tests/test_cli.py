@@ -139,6 +139,12 @@ def test_data_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  #
     assert not (tmp_path / "d").exists()
 
 
+def test_data_from_a_model_that_writes_no_prompts_ends_with_an_error(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli("data", "--output", str(tmp_path / "d"), "--model", str(tiny_dirs["llama"]), "--no-progress",
+                   "--max-query-tokens", "1", "--shard-size", "32", "--batch-size", "32")
+    assert_one_line_error(proc, "raise --max-query-tokens")
+
+
 @pytest.mark.parametrize("opts,fragment", [(["--lsa-width", "100"], "--lsa-width"), (["--tli-layers", "99"], "--tli-layers"),
                                            (["--kind", "eagle", "--lsa-width", "128"], "MoA drafters only")])
 def test_train_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  # type: ignore[no-untyped-def]

@@ -9,14 +9,16 @@ import pytest
 
 from moaspec.errors import MoaspecError
 from moaspec.training.datagen import DataConfig, generate_dataset, pre_query_prefix, read_shard, usable_query
+from tiny import accepting_gibberish
 
 CFG = DataConfig(examples=6, shard_size=8, batch_size=4, max_query_tokens=12, max_answer_tokens=10, multi_turn=0.5)
 
 
 @pytest.fixture()
-def permissive(monkeypatch):  # type: ignore[no-untyped-def]
-    """A random tiny model writes gibberish prompts; accept any non-empty one for the mechanics tests."""
-    monkeypatch.setattr("moaspec.training.datagen.usable_query", lambda q: bool(q.strip()))
+def permissive():  # type: ignore[no-untyped-def]
+    """The mechanics tests run on a random tiny model's gibberish (see ``accepting_gibberish``)."""
+    with accepting_gibberish():
+        yield
 
 
 def test_pre_query_prefix_stops_at_user_turn(tiny_llama) -> None:  # type: ignore[no-untyped-def]
@@ -49,6 +51,19 @@ def test_dataset_shards_manifest_and_resume(tiny_llama, tmp_path: Path, permissi
     manifest2 = generate_dataset(tiny_llama, out, bigger, progress=False)
     assert len(manifest2["shards"]) > len(shards)
     assert (out / shards[0]["file"]).read_text() == first
+
+
+def test_a_model_that_writes_no_usable_prompt_stops_with_an_explanation(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """No query can finish within one token, so every shard is empty: the run must stop, not loop forever."""
+    cfg = DataConfig(examples=6, shard_size=8, batch_size=8, max_query_tokens=1, max_answer_tokens=4)
+    out = tmp_path / "data"
+    with pytest.raises(MoaspecError, match="no usable user prompt.*--max-query-tokens"):
+        generate_dataset(tiny_llama, out, cfg, progress=False)
+    shards = json.loads((out / "manifest.json").read_text())["shards"]
+    assert len(shards) == 8 and not any(s["records"] for s in shards)  # 3 shards and 64 tries, whichever is later
+    with pytest.raises(MoaspecError, match="no usable user prompt"):  # resuming stops at once
+        generate_dataset(tiny_llama, out, cfg, progress=False)
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 8
 
 
 def test_pasted_text_prompts_quote_the_shards_own_answers(tiny_llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]

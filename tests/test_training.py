@@ -17,6 +17,7 @@ from moaspec.errors import MoaspecError
 from moaspec.training.datagen import DataConfig, generate_dataset
 from moaspec.training.dataset import Example, draft_vocabulary, held_out, make_batches
 from moaspec.training.trainer import TrainConfig, Trainer
+from tiny import accepting_gibberish
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,16 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def tiny_data(tiny_llama, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
     """Distillation data written by the tiny target (any non-empty prompt accepted: it writes gibberish)."""
-    import moaspec.training.datagen as datagen
-
     out = tmp_path_factory.mktemp("data") / "d"
-    usable = datagen.usable_query
-    datagen.usable_query = lambda q: bool(q.strip())
-    try:
+    with accepting_gibberish():
         generate_dataset(tiny_llama, out, DataConfig(examples=48, shard_size=16, batch_size=16, max_query_tokens=16,
                                                      max_answer_tokens=48, multi_turn=0.3), progress=False)
-    finally:
-        datagen.usable_query = usable
     return out
 
 
@@ -237,21 +232,15 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path: Pa
 def test_data_written_during_training_joins_at_the_next_epoch(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import shutil
 
-    import moaspec.training.datagen as datagen
-
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     cfg = small(steps=40, save_every=2, eval_every=100)
     t = Trainer(tiny_llama, data, tmp_path / "run", cfg, progress=False)
     t.train(until=2)
     first = dict(t.epoch_shards)
-    usable = datagen.usable_query
-    datagen.usable_query = lambda q: bool(q.strip())
-    try:  # more data arrives while the run is paused
+    with accepting_gibberish():  # more data arrives while the run is paused
         generate_dataset(tiny_llama, data, DataConfig(examples=96, shard_size=16, batch_size=16, max_query_tokens=16,
                                                       max_answer_tokens=48, multi_turn=0.3), progress=False)
-    finally:
-        datagen.usable_query = usable
     Trainer(tiny_llama, data, tmp_path / "run", cfg, progress=False).train()
     shards = {int(k): v for k, v in json.loads((tmp_path / "run" / "progress.json").read_text())["epoch_shards"].items()}
     assert shards[0] == first[0]  # the resumed run replayed epoch 0 as it was

@@ -6,6 +6,8 @@ with a ChatML template, so the whole load → encode → generate path runs in m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -71,3 +73,20 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, vocab_size
     model.save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
     return path
+
+
+@contextmanager
+def accepting_gibberish() -> Iterator[None]:
+    """Let ``moaspec data`` run on a random tiny model, which writes gibberish user prompts.
+
+    Any non-empty prompt is accepted, and long runs of empty shards (it finishes a prompt
+    within the budget in only ~1 of 70 tries) do not stop the run as they would a real model's.
+    """
+    import moaspec.training.datagen as datagen
+
+    saved = datagen.usable_query, datagen.STALL_SHARDS
+    datagen.usable_query, datagen.STALL_SHARDS = (lambda q: bool(q.strip())), 10**9
+    try:
+        yield
+    finally:
+        datagen.usable_query, datagen.STALL_SHARDS = saved

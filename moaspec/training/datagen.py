@@ -66,6 +66,8 @@ PLACEHOLDER = "\u2063QUERY\u2063"
 # directory is only extended by the scheme that began it (1: fixed batches per sampling
 # rule; 2: mixed rules per batch, refill by recompute, pasted-text task families).
 GENERATOR = 2
+# `moaspec data` gives up after this many shards in a row without a record, and at least this many tries
+STALL_SHARDS, STALL_CONVERSATIONS = 3, 64
 
 
 @dataclass(frozen=True)
@@ -246,8 +248,31 @@ def generate_dataset(model: LoadedModel, out: Path, cfg: DataConfig, progress: b
     bar = tqdm(total=cfg.examples, initial=min(writer.records, cfg.examples), unit="turn", disable=not progress,
                desc="moaspec data")
     while writer.records < cfg.examples:
+        check_not_stalled(writer.manifest["shards"], cfg)
         records = make_shard(model, cfg, writer.next_shard, writer.seen)
         writer.add_shard(records)
         bar.update(min(len(records), cfg.examples - bar.n))
     bar.close()
     return writer.manifest
+
+
+def check_not_stalled(shards: list[dict[str, Any]], cfg: DataConfig) -> None:
+    """Stop with an explanation when the newest shards hold no record at all.
+
+    Every record starts from a user prompt the model writes itself; a model that never
+    finishes a usable one within ``max_query_tokens`` (not a chat model, a chat template
+    without a user turn, a budget too small) would otherwise write empty shards forever.
+    Empty shards stay in the manifest, so a resumed run stops here again at once.
+    """
+    empty = 0
+    for shard in reversed(shards):
+        if shard["records"]:
+            break
+        empty += 1
+    if empty >= STALL_SHARDS and empty * cfg.shard_size >= STALL_CONVERSATIONS:
+        raise MoaspecError(
+            f"the model wrote no usable user prompt in the last {empty} shards ({empty * cfg.shard_size} tries): "
+            f"each must end within --max-query-tokens ({cfg.max_query_tokens}) and be at least 3 words of text. "
+            "Magpie data needs an instruction-tuned chat model whose chat template has a user turn; "
+            "with such a model, raise --max-query-tokens"
+        )
