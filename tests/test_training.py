@@ -367,3 +367,29 @@ def test_trains_on_several_data_directories(tiny_llama, tiny_data: Path, tmp_pat
                 progress=False)
     assert shard_counts({"0": 3, "1": [4, 2]}) == {0: [3], 1: [4, 2]}  # progress.json from before several directories
 
+
+
+def test_gpu_distillation_script_runs_end_to_end(tiny_dirs, tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """scripts/distill_on_gpu.sh on the tiny target, on the CPU: GPU time is scarce, so the script must not
+    first fail there. The tiny model cannot write usable data itself (see ``accepting_gibberish``), so the
+    data stage finds a finished directory in place; calibration, the update count and side-by-side training run."""
+    import shutil
+
+    from moaspec.drafters import load_drafter
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_data, out / "data1")
+    env = dict(os.environ, MODEL=str(tiny_dirs["llama"]), PROCS="1", DATA_S="3", TRAIN_S="5", DRAFTERS="moa eagle",
+               MOASPEC=f"{sys.executable} -m moaspec", PYTHONWARNINGS="ignore")
+    script = str(REPO / "scripts" / "distill_on_gpu.sh")
+    proc = subprocess.run(["bash", script, str(out), "--tokens-per-batch", "1024", "--warmup", "5", "--threads", "1",
+                           "--draft-vocab", "256"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "training: 100 updates each" in proc.stdout  # the floor: 5 s of GPU budget buys fewer
+    for kind in ("moa", "eagle"):
+        drafter = load_drafter(out / kind / "drafter", tiny_llama)
+        assert drafter.cfg.__class__.__name__.lower().startswith(kind)
+
+    proc = subprocess.run(["bash", script, str(tmp_path / "other")], env={**env, "DRAFTERS": "moa nope"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "unknown drafter nope" in proc.stderr
