@@ -113,6 +113,21 @@ def test_chain_stops_on_eos_and_budget_like_vanilla(tiny_llama) -> None:  # type
         assert (got.token_ids, got.finish_reason, got.text) == (want.token_ids, want.finish_reason, want.text)
 
 
+def test_time_in_the_drafter_counts_as_drafting(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """``draft_s`` holds proposing *and* taking in verified tokens (MoA's LSA runs in ``commit``)."""
+    import time
+
+    class SlowCommit(OracleProposer):
+        def commit(self, verified: int, path=None, hidden=None) -> None:  # type: ignore[no-untyped-def]
+            time.sleep(0.02)
+
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    got = generate_chain(model, tok, SlowCommit(model), PROMPTS[0], GenerationConfig(max_new_tokens=12), draft_len=2)
+    commits = got.target_calls - 1  # none after the last verification
+    assert got.draft_s >= 0.02 * commits
+    assert got.to_dict()["verify_s"] < got.total_s - got.prefill_s - 0.02 * commits
+
+
 def test_verify_greedy_cases() -> None:
     logits = torch.full((4, 10), -1.0)
     for i, t in enumerate([3, 4, 5, 6]):

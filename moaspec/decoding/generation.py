@@ -39,7 +39,7 @@ class GenerationResult:
     total_s: float
     target_calls: int  # target forwards after prefill
     accepted_lengths: list[int] = field(default_factory=list)  # tokens added per target call
-    draft_s: float = 0.0  # time spent proposing drafts (speculative decoders)
+    draft_s: float = 0.0  # time in the drafter (speculative decoders): proposing, and taking in verified tokens
 
     @property
     def new_tokens(self) -> int:

@@ -12,7 +12,8 @@ output follows the target's distribution (see :mod:`moaspec.decoding.verify`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,15 @@ class Run:
     prefill_s: float
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
+
+    @contextmanager
+    def drafting(self) -> Iterator[None]:
+        """Count the time inside as the drafter's: proposing, and taking in what was verified (MoA's LSA)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.draft_s += time.perf_counter() - t
 
     def result(self) -> GenerationResult:
         text = self.sink.close()
@@ -101,9 +111,8 @@ def generate_chain(
     while not run.sink.done:
         # never draft past the context window or far past the token budget
         n = max(0, min(draft_len, context - len(tokens) - 1, run.budget - len(run.sink.tokens)))
-        t1 = time.perf_counter()
-        proposal = proposer.propose(tokens, n, params, gen)
-        run.draft_s += time.perf_counter() - t1
+        with run.drafting():
+            proposal = proposer.propose(tokens, n, params, gen)
         n_cached = cache.length
         out = model(torch.tensor([[tokens[-1]] + proposal.tokens.tolist()], device=model.device), cache)
         if params.greedy:
@@ -115,5 +124,6 @@ def generate_chain(
         tokens += new
         run.accepted.append(len(new))
         if not run.sink.push(new, drafted=verdict.accepted):
-            proposer.commit(cache.length, hidden=out.hidden[0, : len(new)])
+            with run.drafting():
+                proposer.commit(cache.length, hidden=out.hidden[0, : len(new)])
     return run.result()

@@ -13,7 +13,6 @@ Greedy output equals the target's greedy output; with sampling, tree verificatio
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -115,9 +114,8 @@ def generate_tree(
     while not run.sink.done:
         n = cache.length
         fits = cache.capacity - n  # the tree must fit the cache (and the context window)
-        t1 = time.perf_counter()
-        tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, max(1, min(shape.total, fits))))
-        run.draft_s += time.perf_counter() - t1
+        with run.drafting():
+            tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, max(1, min(shape.total, fits))))
         mask = tree_mask(n, tree.ancestors().to(model.device))
         out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device), mask=mask)
         scores = out.logits[0] if params.greedy else probabilities(out.logits[0], params)
@@ -128,5 +126,6 @@ def generate_tree(
         tokens += new
         run.accepted.append(len(new))
         if not run.sink.push(new, drafted=len(path)):
-            proposer.commit(cache.length, path, out.hidden[0, kept.to(out.hidden.device)])
+            with run.drafting():
+                proposer.commit(cache.length, path, out.hidden[0, kept.to(out.hidden.device)])
     return run.result()
