@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from moaspec.errors import ModelLoadError
 from moaspec.models.config import ModelConfig
 from moaspec.models.packed_linear import pack_linears
-from moaspec.models.transformer import Transformer, rope_tables
+from moaspec.models.transformer import Transformer
 
 
 @dataclass
@@ -150,8 +150,8 @@ def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
         raise ModelLoadError(f"weights do not match the model's config: {str(exc).splitlines()[0]}") from None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    # the RoPE tables are real even under the meta device (rope_tables computes on the CPU): move, not rebuild
+    model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
     model.eval().requires_grad_(False)
     pack_linears(model)
     model.fingerprint = weights_id
