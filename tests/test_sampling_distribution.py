@@ -51,8 +51,11 @@ def small_vocab():  # type: ignore[no-untyped-def]
     small = IndependentDrafter(IndependentConfig.for_target(cfg, layers=1))  # the target's first block of two
     small.copy_target_layers(model)
     small.attach(model)
-    return model, {"moa": lambda: MoAProposer(drafter.eval()), "eagle": lambda: EagleProposer(eagle.eval()),
-                   "independent": lambda: IndependentProposer(small.eval())}
+    # eval() once: it prepacks the linears (~7 ms here), a third of a run's time if done per run
+    for d in (drafter, eagle, small):
+        d.eval()
+    return model, {"moa": lambda: MoAProposer(drafter), "eagle": lambda: EagleProposer(eagle),
+                   "independent": lambda: IndependentProposer(small)}
 
 
 def exact_marginals(model: Transformer, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

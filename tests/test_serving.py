@@ -225,24 +225,32 @@ def test_over_capacity_gets_503_and_a_vanished_client_is_cancelled(tiny_llama) -
     strategy = Controlled()
     engine = Engine(tiny_llama, strategy, parallel=1, max_queue=0)  # type: ignore[arg-type]
     body = {"model": MODEL, "messages": MESSAGES, "stream": True}
-    with running(create_app(engine, MODEL)) as url:
-        with httpx.Client(base_url=url, timeout=30) as http:
-            with http.stream("POST", "/v1/chat/completions", json=body) as first:
-                assert first.status_code == 200
-                next(first.iter_lines())
-                busy = http.post("/v1/chat/completions", json=body)
-                assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
-                assert busy.json()["error"]["type"] == "server_overloaded"
-            # the first client has gone: its generation must stop and free the slot
-            assert strategy.cancelled.wait(10)
-            deadline = time.time() + 10
-            while engine.load["running"] and time.time() < deadline:
-                time.sleep(0.02)
-            assert engine.load == {"running": 0, "waiting": 0, "capacity": 1}
-            strategy.release.set()
-            ok = http.post("/v1/chat/completions", json={**body, "stream": False})
-            assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].endswith("done")
-    engine.close()
+    try:
+        with running(create_app(engine, MODEL)) as url:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                with http.stream("POST", "/v1/chat/completions", json=body) as first:
+                    assert first.status_code == 200
+                    # keep the iterator: a discarded one closes the connection (httpcore closes a stream whose
+                    # iterator is dropped), the server cancels, and a busy request could be admitted in the race
+                    lines = first.iter_lines()
+                    next(lines)
+                    assert not strategy.cancelled.wait(0.3)
+                    # a stream here too, but read only when refused: an admitted one would tick forever
+                    with http.stream("POST", "/v1/chat/completions", json=body) as busy:
+                        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+                        assert json.loads(busy.read())["error"]["type"] == "server_overloaded"
+                # the first client has gone: its generation must stop and free the slot
+                assert strategy.cancelled.wait(10)
+                deadline = time.time() + 10
+                while engine.load["running"] and time.time() < deadline:
+                    time.sleep(0.02)
+                assert engine.load == {"running": 0, "waiting": 0, "capacity": 1}
+                strategy.release.set()
+                ok = http.post("/v1/chat/completions", json={**body, "stream": False})
+                assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].endswith("done")
+    finally:  # a failed check must not leave the worker ticking (pytest would wait for it at exit)
+        strategy.release.set()
+        engine.close()
 
 
 def test_a_taken_port_is_a_clear_error() -> None:
