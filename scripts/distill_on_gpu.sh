@@ -7,14 +7,19 @@
 #
 # Usage: scripts/distill_on_gpu.sh OUT [extra `moaspec train` options...]
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
-#        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final, and moa-seg1, segments of 1)
-# Drafters land in OUT/NAME/drafter for each NAME of DRAFTERS. The target runs in fp32, so the data
-# and features are those of the fp32 CPU target the drafters are deployed with.
+#        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final; moa-seg1, segments of 1;
+#        moa-cont, the shipped MoA drafter continued at a lower learning rate), SHARD_SIZE (512),
+#        DATA_DTYPE (float32)
+# Drafters land in OUT/NAME/drafter for each NAME of DRAFTERS. Training's target runs in fp32, so the
+# features are those of the fp32 CPU target the drafters are deployed with; DATA_DTYPE=bfloat16 writes
+# the data with a bf16 copy (faster on a GPU; its answers are then a bf16 target's).
 # Data shards are atomic, so stopping a `moaspec data` process at its deadline loses only the
 # shard it was writing.
 set -uo pipefail
 OUT=${1:?usage: $0 OUT [train options...]}; shift
 MODEL=${MODEL:-smollm2}; PROCS=${PROCS:-4}; DATA_S=${DATA_S:-300}; TRAIN_S=${TRAIN_S:-600}
+SHARD_SIZE=${SHARD_SIZE:-512}; DATA_DTYPE=${DATA_DTYPE:-float32}
+SHIPPED=$(dirname "$0")/../moaspec/assets/drafters/smollm2-135m-instruct-moa
 read -r -a DRAFTERS <<< "${DRAFTERS:-moa eagle}"
 options() {  # the `moaspec train` options of a drafter name
     case $1 in
@@ -22,6 +27,7 @@ options() {  # the `moaspec train` options of a drafter name
         eagle) echo --kind eagle ;;
         moa-final) echo --kind moa --memory-final ;;
         moa-seg1) echo --kind moa --segment-min 1 --segment-max 1 ;;
+        moa-cont) echo --kind moa --init-from "$SHIPPED" --lr 4e-4 --warmup 30 --no-staircase ;;
         *) return 1 ;;
     esac
 }
@@ -35,8 +41,8 @@ log "data: $PROCS processes for $DATA_S s"
 DATA=()
 for s in $(seq 1 "$PROCS"); do
     DATA+=("$OUT/data$s")
-    timeout "$DATA_S" "${MOASPEC[@]}" data --model "$MODEL" --dtype float32 --output "$OUT/data$s" --seed "$s" \
-        --examples 100000000 --shard-size 512 --batch-size 256 --no-progress > "$OUT/data$s.log" 2>&1 &
+    timeout "$DATA_S" "${MOASPEC[@]}" data --model "$MODEL" --dtype "$DATA_DTYPE" --output "$OUT/data$s" --seed "$s" \
+        --examples 100000000 --shard-size "$SHARD_SIZE" --batch-size 256 --no-progress > "$OUT/data$s.log" 2>&1 &
 done
 wait
 for d in "${DATA[@]}"; do
