@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list from moa, moa-pld (prompt lookup first), moa-tree (dynamic trees), eagle2, independent, api")
     bc.add_argument("--lookup", type=int, default=_default_lookup(), metavar="N",
                     help=f"prompt lookup drafts per verification for moa-pld (default {_default_lookup()})")
-    bc.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (`moaspec train --kind eagle`)")
+    bc.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (`moaspec train --kind eagle`; default: the one shipped for the target)")
     bc.add_argument("--independent-drafter", default=None,
                     help="independent drafter for independent (`moaspec train --kind independent`)")
     bc.add_argument("--output", required=True, help="directory for summary.json")
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
     b.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
-    b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2")
+    b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (default: the one shipped for the target)")
     b.add_argument("--independent-drafter", default=None, help="independent drafter for independent and hf-assisted")
     b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain, moa-chain-pld and independent")
     b.add_argument("--lookup", type=int, default=_default_lookup(),
@@ -639,7 +639,8 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     depths = [d.cfg.tli_layers for d in ([drafters["moa"]] if "moa" in methods else []) + [d for _, d in more]]
     if len(set(depths)) < len(depths):
         raise MoaspecError(f"--disconnect-drafters: one MoA drafter per N (Target Layer Inference depth); got N = {depths}")
-    for method, where, kind in (("eagle2", args.eagle_drafter, EagleDrafter),
+    eagle = args.eagle_drafter or shipped_drafter(loaded, "eagle")
+    for method, where, kind in (("eagle2", eagle, EagleDrafter),
                                 ("independent", args.independent_drafter, IndependentDrafter)):
         if method in methods:
             drafters[method] = require_drafter(where, kind, method, loaded)

@@ -147,6 +147,19 @@ def test_refuses_a_drafter_for_another_target(tiny_llama, tiny_dirs, tmp_path: P
         load_drafter(path, load_model_dir(tiny_dirs["qwen2"], device="cpu"))
 
 
+def test_shipped_drafters_are_found_by_kind_and_target(tiny_llama, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """MoA and its EAGLE baseline ship side by side; decoding must get MoA, `bench --methods eagle2` EAGLE."""
+    import moaspec.drafters as drafters
+    from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+
+    monkeypatch.setattr(drafters, "SHIPPED", tmp_path)
+    assert drafters.shipped_drafter(tiny_llama) is None
+    eagle = save_drafter(EagleDrafter(EagleConfig.for_target(tiny_llama.cfg)), tmp_path / "a-eagle", target_identity(tiny_llama))
+    assert drafters.shipped_drafter(tiny_llama) is None  # an EAGLE drafter alone is no MoA default
+    moa = save_drafter(make_drafter(tiny_llama), tmp_path / "b-moa", target_identity(tiny_llama))
+    assert drafters.shipped_drafter(tiny_llama) == moa and drafters.shipped_drafter(tiny_llama, "eagle") == eagle
+
+
 @pytest.mark.parametrize("damage", ["missing", "not-json", "wrong-format", "no-weights", "bad-config"])
 def test_broken_checkpoints_give_clear_errors(tiny_llama, tmp_path: Path, damage: str) -> None:  # type: ignore[no-untyped-def]
     path = save_drafter(make_drafter(tiny_llama), tmp_path / "d", target_identity(tiny_llama))

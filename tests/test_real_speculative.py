@@ -25,7 +25,8 @@ from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape, generate_tree
-from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters import MoADrafter, load_drafter, shipped_drafter
+from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.proposers import MoAProposer
 from moaspec.specbench import load_questions
 from moaspec.training.dataset import Example, collate
@@ -68,10 +69,14 @@ def first_turns() -> list[tuple[str, str]]:
     return [(f"fallback/{i}", p) for i, p in enumerate(FALLBACK_PROMPTS)]
 
 
-def test_shipped_drafter_fits_the_budget(real_model, drafter) -> None:  # type: ignore[no-untyped-def]
+def test_shipped_drafters_fit_the_budget(real_model, drafter) -> None:  # type: ignore[no-untyped-def]
+    """The MoA drafter and the EAGLE baseline shipped beside it (the default of `bench --methods eagle2`)."""
+    eagle = load_drafter(shipped_drafter(real_model, "eagle"), real_model)
+    assert isinstance(drafter, MoADrafter) and isinstance(eagle, EagleDrafter)
     target_params = sum(p.numel() for p in real_model.model.parameters())
-    assert drafter.own_parameters() <= 0.10 * target_params
-    assert drafter.cfg.num_target_layers == real_model.cfg.num_layers
+    for d in (drafter, eagle):
+        assert d.own_parameters() <= 0.10 * target_params
+        assert d.cfg.num_target_layers == real_model.cfg.num_layers
 
 
 def test_greedy_chain_and_tree_equal_vanilla_on_specbench(real_model, drafter) -> None:  # type: ignore[no-untyped-def]

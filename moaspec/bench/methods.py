@@ -9,6 +9,7 @@ their target calls.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -84,7 +85,7 @@ _WHERE = {
 }
 
 
-def require_drafter(path: str | None, kind: type[Drafter], used_by: str, target: LoadedModel) -> Drafter:
+def require_drafter(path: str | Path | None, kind: type[Drafter], used_by: str, target: LoadedModel) -> Drafter:
     """The drafter at ``path``, which the method(s) ``used_by`` need to be a ``kind``; a clear error otherwise."""
     if path is None:
         raise MoaspecError(f"{used_by} needs {_WHERE[kind]}")
@@ -131,7 +132,8 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
         elif name == "pld":
             methods[name] = _ours(target, Strategy(lookup=opts.pld_tokens))
         elif name == "eagle2":
-            methods[name] = _ours(target, Strategy(require_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
+            eagle = opts.eagle_drafter or shipped_drafter(target, "eagle")
+            methods[name] = _ours(target, Strategy(require_drafter(eagle, EagleDrafter, name, target), tree=opts.tree))
         elif name == "independent":
             methods[name] = _ours(target, Strategy(independent, chain=opts.chain))
         else:

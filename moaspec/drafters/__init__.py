@@ -12,11 +12,16 @@ from moaspec.models.loading import LoadedModel
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "drafters"
 
 
-def shipped_drafter(target: LoadedModel) -> Path | None:
-    """The drafter shipped for this target (matched by weight fingerprint), if any."""
+def shipped_drafter(target: LoadedModel, kind: str = "moa") -> Path | None:
+    """The drafter of ``kind`` shipped for this target (matched by weight fingerprint), if any.
+
+    MoA is what moaspec decodes with; an EAGLE drafter ships beside it as the baseline that
+    ``moaspec bench --methods eagle2`` compares against, so the comparison runs out of the box.
+    """
     for cfg in sorted(SHIPPED.glob("*/config.json")):
         try:
-            if json.loads(cfg.read_text())["target"]["fingerprint"] == target.fingerprint:
+            meta = json.loads(cfg.read_text())
+            if meta["kind"] == kind and meta["target"]["fingerprint"] == target.fingerprint:
                 return cfg.parent
         except (OSError, ValueError, KeyError, TypeError):
             continue
