@@ -8,7 +8,8 @@
 # Usage: scripts/distill_on_gpu.sh OUT [extra `moaspec train` options...]
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
 #        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final; moa-seg1, segments of 1;
-#        moa-cont, the shipped MoA drafter continued at a lower learning rate), SHARD_SIZE (512),
+#        moa-cont, the MoA drafter shipped for the default target continued at a lower learning rate),
+#        SHARD_SIZE (512),
 #        DATA_DTYPE (float32), MPS (0; 1 runs the processes under the CUDA Multi-Process Service, so
 #        their small kernels share the GPU instead of taking turns: 1.3x on a launch-bound probe on one H100)
 # Drafters land in OUT/NAME/drafter for each NAME of DRAFTERS. Training's target runs in fp32, so the

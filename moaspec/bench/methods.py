@@ -9,9 +9,9 @@ their target calls.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
