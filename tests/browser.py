@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 import urllib.request
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +33,13 @@ class Browser:
         path = chromium_path()
         if path is None:
             raise RuntimeError("no Chromium found")
-        self.profile = tempfile.TemporaryDirectory()
+        # a straggling helper process may still write into the profile as it is removed: never fail a test for that
+        self.profile = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
         self.proc = subprocess.Popen(
             [path, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
              "--remote-debugging-port=0", f"--user-data-dir={self.profile.name}", f"--window-size={width},{height}",
              "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         devtools = None
         for line in self.proc.stderr:  # type: ignore[union-attr]
@@ -83,7 +86,16 @@ class Browser:
         path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
 
     def close(self) -> None:
+        """Stop Chromium with all its helper processes (its own process group), then remove the profile.
+
+        Terminating only the main process left renderer or utility processes writing into the
+        profile while it was removed ("Directory not empty", once in CI).
+        """
         self._stack.close()
-        self.proc.terminate()
+        with suppress(ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(10)
+        with suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever outlived the main process
         self.proc.wait(10)
         self.profile.cleanup()
