@@ -639,8 +639,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     depths = [d.cfg.tli_layers for d in ([drafters["moa"]] if "moa" in methods else []) + [d for _, d in more]]
     if len(set(depths)) < len(depths):
         raise MoaspecError(f"--disconnect-drafters: one MoA drafter per N (Target Layer Inference depth); got N = {depths}")
-    eagle = args.eagle_drafter or shipped_drafter(loaded, "eagle")
-    for method, where, kind in (("eagle2", eagle, EagleDrafter),
+    for method, where, kind in (("eagle2", args.eagle_drafter, EagleDrafter),
                                 ("independent", args.independent_drafter, IndependentDrafter)):
         if method in methods:
             drafters[method] = require_drafter(where, kind, method, loaded)

@@ -25,6 +25,7 @@ from moaspec.decoding.tree import TreeShape
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.base import Drafter
+from moaspec.drafters.checkpoint import KINDS
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.independent import IndependentDrafter, to_hf_llama
 from moaspec.drafters.moa import MoADrafter
@@ -86,7 +87,10 @@ _WHERE = {
 
 
 def require_drafter(path: str | Path | None, kind: type[Drafter], used_by: str, target: LoadedModel) -> Drafter:
-    """The drafter at ``path``, which the method(s) ``used_by`` need to be a ``kind``; a clear error otherwise."""
+    """The drafter at ``path`` (else the one of that kind shipped for ``target``), which the method(s) ``used_by``
+    need to be a ``kind``; a clear error otherwise."""
+    if path is None:
+        path = shipped_drafter(target, next(name for name, (_, cls) in KINDS.items() if cls is kind))
     if path is None:
         raise MoaspecError(f"{used_by} needs {_WHERE[kind]}")
     drafter = load_drafter(path, target)
@@ -132,8 +136,7 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
         elif name == "pld":
             methods[name] = _ours(target, Strategy(lookup=opts.pld_tokens))
         elif name == "eagle2":
-            eagle = opts.eagle_drafter or shipped_drafter(target, "eagle")
-            methods[name] = _ours(target, Strategy(require_drafter(eagle, EagleDrafter, name, target), tree=opts.tree))
+            methods[name] = _ours(target, Strategy(require_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
         elif name == "independent":
             methods[name] = _ours(target, Strategy(independent, chain=opts.chain))
         else:
