@@ -3,7 +3,8 @@
 Every configuration and vanilla decoding run back to back on each prompt (order
 rotating per prompt), greedy, first turns of SpecBench; prints tokens/s, speedup
 against vanilla in the same run, and τ for each configuration. ``--grid drafter``
-sweeps the drafter alone (chains, trees, draft vocabularies); ``--grid lookup``
+sweeps the drafter alone (chains, trees, draft vocabularies); ``--grid vocab`` the
+default decodings at smaller draft vocabularies; ``--grid lookup``
 sweeps prompt lookup's length alone, before chains of the drafter, and grafted onto
 its smallest tree; ``--grid ngram`` the shortest lookup match that counts.
 
@@ -29,7 +30,8 @@ from moaspec.specbench import load_questions
 
 REPO = Path(__file__).resolve().parent.parent
 CHAINS = [1, 2, 3, 4, 6]
-TREES = [TreeShape(2, 2, 4), TreeShape(3, 2, 8), TreeShape(4, 3, 12), TreeShape(5, 4, 24)]
+TREES = [TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 2, 8), TreeShape(3, 3, 10), TreeShape(4, 3, 12),
+         TreeShape(5, 4, 24)]
 VOCABS = [4096]
 LOOKUPS = [5, 10, 16]
 LOOKUP_CHAINS = [1, 2, 3]
@@ -63,12 +65,23 @@ def ngram_grid(full: Drafter) -> dict[str, Strategy]:
     return grid
 
 
+def vocab_grid(vocabs: dict[int, Drafter]) -> dict[str, Strategy]:
+    """The default decodings (chains of 2, the smallest tree, lookup before chains of 2) at each draft vocabulary."""
+    grid = {}
+    for k, d in vocabs.items():
+        grid[f"chain-2-v{k}"] = Strategy(d, chain=2)
+        grid[f"tree-2x2-4-v{k}"] = Strategy(d, tree=TreeShape(2, 2, 4))
+        grid[f"lookup-10+chain-2-v{k}"] = Strategy(d, chain=2, lookup=10)
+    return grid
+
+
 GRIDS = {"lookup": lookup_grid, "ngram": ngram_grid}  # grids of the full drafter alone
+VOCAB_SIZES = [4096, 2048]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", choices=("drafter", *GRIDS), default="drafter")
+    ap.add_argument("--grid", choices=("drafter", "vocab", *GRIDS), default="drafter")
     ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
     ap.add_argument("--per-file", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -87,6 +100,13 @@ def main() -> None:
         for k, d in vocabs.items():
             d.attach(lm.model, vocab_limit=k)
         configs = {"vanilla": Strategy(), **drafter_grid(full, vocabs)}
+    elif args.grid == "vocab":
+        vocabs = {full.cfg.draft_vocab_size: full}
+        for k in VOCAB_SIZES:
+            if full.draft_vocab is not None and k < full.cfg.draft_vocab_size:
+                vocabs[k] = load_drafter(path, lm)
+                vocabs[k].attach(lm.model, vocab_limit=k)
+        configs = {"vanilla": Strategy(), **vocab_grid(vocabs)}
     else:
         configs = {"vanilla": Strategy(), **GRIDS[args.grid](full)}
 

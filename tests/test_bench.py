@@ -54,6 +54,9 @@ def test_bench_writes_summary_answers_and_plots(tiny_dirs, setup, tmp_path: Path
         assert set(o) >= {"tokens_per_s", "speedup", "tau", "target_calls", "new_tokens", "wall_s", "greedy_mismatches"}
         assert o["greedy_mismatches"] == 0, m  # every method is greedy-lossless, transformers' included
         assert o["prompts"] == 3 and o["new_tokens"] > 0
+        assert o["verify_ms_per_call"] > 0
+        # only this project's drafters are timed apart from the target (transformers' assistant is not)
+        assert (o["draft_ms_per_call"] > 0) == (m in ("moa", "moa-chain", "moa-pld", "moa-chain-pld", "pld", "eagle2", "independent")), m
     assert res["vanilla"]["overall"]["speedup"] == 1.0
     rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
     assert len(rows) == 3 * len(ALL)

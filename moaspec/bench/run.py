@@ -35,14 +35,20 @@ def answer_question(target: LoadedModel, method: Method, q: Question, max_new: i
         messages.append({"role": "assistant", "content": r.text})
         calls = r.target_calls
         produced = sum(r.accepted_lengths) if r.accepted_lengths else max(0, r.new_tokens - 1)
-        turns.append({"turn": t, "new_tokens": r.new_tokens, "wall_s": r.total_s, "target_calls": calls,
-                      "verified_tokens": produced, "accepted_lengths": r.accepted_lengths,
+        turns.append({"turn": t, "new_tokens": r.new_tokens, "wall_s": r.total_s, "prefill_s": r.prefill_s,
+                      "draft_s": r.draft_s, "target_calls": calls, "verified_tokens": produced, "accepted_lengths": r.accepted_lengths,
                       "token_ids": r.token_ids, "text": r.text})
     return turns
 
 
 def summarise(rows: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
-    """Per method, per category and overall: speed, speedup vs vanilla, τ, calls, tokens, mismatches."""
+    """Per method, per category and overall: speed, speedup vs vanilla, τ, calls, tokens, mismatches.
+
+    Where a decoding cycle's time goes: ``draft_ms_per_call`` is the drafter's share per
+    target call (proposing, and taking in what was verified), ``verify_ms_per_call`` the
+    rest after the prefill (the target's forward, verification, bookkeeping), as in
+    ``moaspec generate --json``. Two drafters at one τ differ in speed by the first.
+    """
     by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by[(r["method"], r["category"])].append(r)
@@ -60,12 +66,16 @@ def summarise(rows: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[st
             wall = sum(t["wall_s"] for t in turns)
             calls = sum(t["target_calls"] for t in turns)
             verified = sum(t["verified_tokens"] for t in turns)
+            draft = sum(t.get("draft_s", 0.0) for t in turns)  # answers of older runs lack the split
+            decode = wall - sum(t.get("prefill_s", 0.0) for t in turns)
             mismatches = None
             if vanilla_ids:
                 mismatches = sum(1 for r in rs if [t["token_ids"] for t in r["turns"]] != vanilla_ids.get((r["question_id"], r["category"])))
             out[m][c] = {"tokens_per_s": round(new / wall, 3) if wall else 0.0, "tau": round(verified / calls, 3) if calls else 0.0,
                          "target_calls": calls, "new_tokens": new, "wall_s": round(wall, 3),
-                         "greedy_mismatches": mismatches, "prompts": len(rs)}
+                         "greedy_mismatches": mismatches, "prompts": len(rs),
+                         "draft_ms_per_call": round(1000 * draft / calls, 2) if calls else 0.0,
+                         "verify_ms_per_call": round(1000 * (decode - draft) / calls, 2) if calls else 0.0}
     if "vanilla" in methods:
         for m in methods:
             for c in categories:
@@ -116,12 +126,13 @@ def table(summary: dict[str, Any]) -> str:
     res = summary["results"]
     cats = list(next(iter(res.values())))
     w = max(13, max(len(m) for m in res) + 1)
-    lines = [f"{'method':<{w}}{'category':<12}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'calls':>7}{'tokens':>8}{'mismatch':>9}"]
+    lines = [f"{'method':<{w}}{'category':<12}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'calls':>7}{'tokens':>8}{'mismatch':>9}"
+             f"{'draft ms':>10}{'verify ms':>11}"]
     for m, per in res.items():
         for c in cats:
             r = per[c]
             sp = f"{r['speedup']:.2f}" if r.get("speedup") is not None else "-"
             mm = "-" if r["greedy_mismatches"] is None else str(r["greedy_mismatches"])
             lines.append(f"{m:<{w}}{c:<12}{r['tokens_per_s']:>8.1f}{sp:>9}{r['tau']:>7.2f}{r['target_calls']:>7}"
-                         f"{r['new_tokens']:>8}{mm:>9}")
+                         f"{r['new_tokens']:>8}{mm:>9}{r.get('draft_ms_per_call', 0.0):>10.1f}{r.get('verify_ms_per_call', 0.0):>11.1f}")
     return "\n".join(lines)
