@@ -23,9 +23,10 @@ from moaspec.training.features import target_pass
 from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
 
 
-def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: str = "lsa") -> MoADrafter:  # type: ignore[no-untyped-def]
+def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: str = "lsa", reach: int = 15) -> MoADrafter:  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
-    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory))
+    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
+                                        ca_reach=reach))
     if d.final_proj is not None:  # it starts at zero, which would hide the final state's path from the test
         torch.nn.init.normal_(d.final_proj.weight, std=0.05)
     if vocab:
@@ -34,11 +35,15 @@ def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: st
     return d.eval()
 
 
-@pytest.mark.parametrize("tli, together, memory", [(0, False, "lsa"), (1, False, "lsa"), (2, False, "lsa"), (1, True, "lsa"),
-                                                   (2, True, "lsa"), (0, False, "last-layer"), (1, True, "lsa+final")])
-def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool, memory: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tli, together, memory, reach", [
+    (0, False, "lsa", 15), (1, False, "lsa", 15), (2, False, "lsa", 15), (1, True, "lsa", 15), (2, True, "lsa", 15),
+    (0, False, "last-layer", 15), (1, True, "lsa+final", 15),
+    (0, False, "lsa", 4), (1, True, "lsa", 4),  # a segment longer than Cross-Attention's reach
+])
+def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool, memory: str,  # type: ignore[no-untyped-def]
+                                                            reach: int) -> None:
     """Drafting after a verification at position p sees exactly what training shows a segment starting at p."""
-    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory)
+    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory, reach=reach)
     target = tiny_llama.model
     S, p = 24, 9
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
@@ -75,6 +80,20 @@ def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int
                                  tli_mask=torch.ones(1, j + 1, dtype=torch.bool)))
     steps = torch.cat(outs, dim=1)
     torch.testing.assert_close(steps, trained, atol=1e-4, rtol=1e-4)
+
+
+def test_cross_attention_reach_bounds_the_query_to_memory_distance(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """Within the reach nothing changes; past it, a query reads the memory as if it stood at the reach."""
+    near, far = make_drafter(tiny_llama, reach=3), make_drafter(tiny_llama, reach=1000)  # same seed: same weights
+    s = torch.randn(1, 1, tiny_llama.cfg.hidden_size)
+    memory = torch.randn(1, 6, tiny_llama.cfg.hidden_size)
+    with torch.no_grad():
+        k, v = near.ca.attn.keys_values(memory, *near.rope(torch.arange(6)))
+        def predict(d: MoADrafter, position: int) -> torch.Tensor:
+            return d.predict(s, torch.tensor([position]), 5, k, v, None)
+        torch.testing.assert_close(predict(near, 8), predict(far, 8))  # 3 past the newest entry (5): within
+        torch.testing.assert_close(predict(near, 40), predict(far, 8))  # 35 past it: read as if 3 past
+        assert not torch.allclose(predict(far, 40), predict(far, 8))
 
 
 def test_memory_grows_only_with_verified_tokens(tiny_llama) -> None:  # type: ignore[no-untyped-def]

@@ -48,7 +48,7 @@ def test_training_reduces_the_loss_and_exports_a_drafter(tiny_llama, tiny_data: 
     from moaspec.drafters.checkpoint import load_drafter
 
     # a fifth held out, so that greedy answers are among them (val_tau_decode replays those)
-    summary = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(val_fraction=0.2), progress=False).train()
+    summary = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(val_fraction=0.2, segment_max=12), progress=False).train()
     log = read_log(tmp_path / "run" / "train_log.csv")
     assert len(log) == 30 and summary["steps"] == 30
     first = sum(float(r["loss"]) for r in log[:5]) / 5
@@ -60,6 +60,7 @@ def test_training_reduces_the_loss_and_exports_a_drafter(tiny_llama, tiny_data: 
     assert 0.0 <= float(val["val_first_draft"]) <= 1.0  # top-1 of those cycles' first drafts
     drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
     assert drafter.cfg.draft_vocab_size == 128
+    assert drafter.cfg.ca_reach == 12  # Cross-Attention reaches as far as the longest training segment
     meta = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     assert meta["training"]["steps"] == 30 and meta["training"]["finished"]
 

@@ -48,6 +48,7 @@ class MoAConfig(DrafterConfig):
     lsa_mlp: int = 384
     tli_layers: int = 0  # N: how many of the target's last layers run on the drafter's prediction
     memory_source: str = "lsa"  # one of MEMORY_SOURCES
+    ca_reach: int = 15  # a CA query is rotated as if at most this many positions past the newest entry it reads
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "MoAConfig":
@@ -78,6 +79,8 @@ class MoAConfig(DrafterConfig):
             raise ValueError(f"tli_layers must be in 0..{cfg.num_layers - 1}, got {self.tli_layers}")
         if self.memory_source not in MEMORY_SOURCES:
             raise ValueError(f"memory_source must be one of {', '.join(MEMORY_SOURCES)}, got {self.memory_source!r}")
+        if self.ca_reach < 1:
+            raise ValueError(f"ca_reach must be >= 1, got {self.ca_reach}")
 
 
 @dataclass
@@ -192,9 +195,19 @@ class MoADrafter(Drafter):
         token_kv = target_cache.token_kv(start, end) if self.uses_lsa else None
         return self.memory(token_kv, final)[0]
 
-    def predict(self, s: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mem_k: torch.Tensor,
+    def predict(self, s: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor | int, mem_k: torch.Tensor,
                 mem_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Cross-Attention from SA outputs onto the memory: the predicted target state."""
+        """Cross-Attention from SA outputs at ``positions`` onto the memory: the predicted target state.
+
+        ``newest``: the position of the newest memory entry each query may read. A query
+        is rotated as if it stood at most ``ca_reach`` positions past it. Training's
+        segments are at most that long, so this changes nothing there or in ordinary
+        drafting; it keeps a client that generates alone for many tokens (or a long
+        pipelined chain) at query-to-memory distances training has shown, instead of
+        ever larger ones that it never has.
+        """
+        limit = torch.as_tensor(newest + self.cfg.ca_reach, device=positions.device)
+        cos, sin = self.rope(torch.minimum(positions, limit))
         f = self.ca.cross_attention(s, cos, sin, mem_k, mem_v, mask)
         return self.out_norm(f) if self.out_norm is not None else f
 
@@ -226,10 +239,12 @@ class MoADrafter(Drafter):
         :meth:`run_tli` on it with the target's true states of those layers.
         """
         S = tokens.shape[1]
-        cos, sin = self.rope(torch.arange(S, device=tokens.device))
+        positions = torch.arange(S, device=tokens.device)
+        cos, sin = self.rope(positions)
         s = self.sa.self_attention(self.target.embed(tokens).to(cos.dtype), cos, sin, sa_mask)
         mem_k, mem_v = self.ca.attn.keys_values(self.memory(token_kv, final), cos, sin)
-        return self.predict(s, cos, sin, mem_k, mem_v, ca_mask)
+        newest = ca_mask.sum(-1) - 1  # the masks are prefixes: each query reads the memory before a limit
+        return self.predict(s, positions, newest, mem_k, mem_v, ca_mask)
 
     # --- inference ----------------------------------------------------------------------
 
@@ -287,8 +302,7 @@ class MoADrafter(Drafter):
         state.sa.length = start + T
         n = state.memory.length
         mem_k, mem_v = state.memory.keys[0, :, :, :n], state.memory.values[0, :, :, :n]
-        out_cos, out_sin = cos[:, :, T - outputs :], sin[:, :, T - outputs :]
-        f = self.predict(s[:, T - outputs :], out_cos, out_sin, mem_k, mem_v, None)
+        f = self.predict(s[:, T - outputs :], positions[..., T - outputs :], n - 1, mem_k, mem_v, None)
         if self.cfg.tli_layers:
             if target_cache is None:
                 raise ValueError("a drafter with Target Layer Inference needs the target's cache")

@@ -134,8 +134,9 @@ class Trainer:
         if cfg.init_from:
             drafter = self._warm_start(target, Path(cfg.init_from), (sizes or {}).get("memory_source"))
         elif cfg.kind == "moa":
-            drafter = MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers,
-                                                      draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
+            # Cross-Attention's reach: the longest query-to-memory distance these segments show
+            drafter = MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers, draft_vocab_size=cfg.draft_vocab,
+                                                      ca_reach=cfg.segment_max, **(sizes or {})))
         elif cfg.kind == "eagle":
             drafter = EagleDrafter(EagleConfig.for_target(target.cfg, draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
         elif cfg.kind == "independent":
