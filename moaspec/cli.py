@@ -430,7 +430,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          independent_drafter=args.independent_drafter, chain=args.chain, pld_tokens=args.lookup,
                          tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total))
     methods = build_methods(names, loaded, opts)
-    summary = run_bench(loaded, questions, methods, args.max_new_tokens, Path(args.output), progress=not args.no_progress)
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "no_progress")}
+    summary = run_bench(loaded, questions, methods, args.max_new_tokens, Path(args.output), progress=not args.no_progress,
+                        settings=settings)
     print(table(summary))
     print(f"answers, summary.json and plots in {args.output}")
     return 0

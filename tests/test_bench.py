@@ -65,6 +65,48 @@ def test_bench_writes_summary_answers_and_plots(tiny_dirs, setup, tmp_path: Path
     assert "moa-chain" in capsys.readouterr().out
 
 
+def test_an_interrupted_bench_resumes_where_it_stopped(tiny_dirs, setup, tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import moaspec.bench.run as bench_run
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--model", str(tiny_dirs["llama"]), "--questions", str(setup["questions"]), "--methods", "vanilla,moa",
+            "--max-new-tokens", "8", "--limit", "2", "--output", str(out), "--drafter", str(setup["moa"]), "--no-progress"]
+    real = bench_run.answer_question
+    calls: list[str] = []
+
+    def interrupted(target, method, q, max_new):  # type: ignore[no-untyped-def]
+        if len(calls) == 2:  # both methods answered the first question; stop in the second
+            raise KeyboardInterrupt
+        calls.append(str(q.question_id))
+        return real(target, method, q, max_new)
+
+    monkeypatch.setattr(bench_run, "answer_question", interrupted)
+    assert main(argv) == 130
+    journal = out / "answers.partial.jsonl"
+    assert not (out / "summary.json").exists() and len(journal.read_text().splitlines()) == 2  # header + one question
+    with journal.open("a") as f:
+        f.write('{"question": 1, "rows": [{"meth')  # a line torn by the interruption
+    first = [json.loads(line) for line in journal.read_text().splitlines()[1:2]][0]["rows"]
+
+    calls.clear()
+    monkeypatch.setattr(bench_run, "answer_question", lambda *a: (calls.append(str(a[2].question_id)), real(*a))[1])
+    assert main(argv) == 0
+    assert "resuming; 1 of 3 questions" in capsys.readouterr().err
+    assert len(calls) == 4  # only the two questions still missing, by both methods
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_questions"] == 1 and summary["results"]["moa"]["overall"]["prompts"] == 3
+    assert summary["results"]["moa"]["overall"]["greedy_mismatches"] == 0
+    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert rows[:2] == first and len(rows) == 6
+    assert not journal.exists()
+
+    # a journal left by a run with other options is not mixed in
+    (out / "answers.partial.jsonl").write_text(json.dumps({"run": {"methods": ["vanilla"]}}) + "\n")
+    calls.clear()
+    assert main(argv) == 0
+    assert "other settings; starting afresh" in capsys.readouterr().err and len(calls) == 6
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "vanilla,warp"], "unknown method"),
     (["--methods", "vanilla,vanilla"], "distinct"),
