@@ -10,40 +10,27 @@ against vanilla's (losslessness on the real model).
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
-
-import torch
 
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.speculative import generate_chain
-from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters import load_drafter
 from moaspec.drafters.proposers import proposer_for
-from moaspec.models import load_model
 from moaspec.specbench import load_questions
 
-REPO = Path(__file__).resolve().parent.parent
+import specbench_script  # beside this script
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
-    ap.add_argument("--per-file", type=int, default=10)
+    ap = specbench_script.parser(__doc__, per_file=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=6)
-    ap.add_argument("--drafter", default=None, help="checkpoint directory (default: the shipped one)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--output", default=None, help="write the per-prompt rows and summary as JSON here")
     ap.add_argument("--no-vanilla", action="store_true",
                     help="τ only: skip the interleaved vanilla runs (no speedup, no losslessness check), half the time")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-
-    lm = load_model(None, device="cpu")
-    drafter = load_drafter(args.drafter or shipped_drafter(lm), lm)
+    lm, path = specbench_script.target_and_drafter_path(args)
+    drafter = load_drafter(path, lm)
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     questions = load_questions(args.questions, per_file=args.per_file)
     prompts = [(q, encode_chat(lm.tokenizer, chat_messages(q.turns[0]))) for q in questions]
@@ -85,8 +72,7 @@ def main() -> None:
         van = sum(r["tokens"] for r in rs) / sum(r["vanilla_s"] for r in rs)
         summary[name].update({"vanilla_tokens_per_s": round(van, 2), "speedup": round(spec / van, 3), "greedy_mismatches": bad})
         print(f"{name:<11}{tau:>6.2f}{spec:>11.1f}{van:>9.1f}{spec / van:>9.2f}{bad:>10}")
-    if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "summary": summary, "rows": rows}, indent=1))
+    specbench_script.write_results(args, summary=summary, rows=rows)
 
 
 if __name__ == "__main__":

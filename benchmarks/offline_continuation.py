@@ -14,11 +14,9 @@ stand from the memory).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -27,13 +25,13 @@ from moaspec.clientserver.bench import perplexity
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.vanilla import generate
-from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters import load_drafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.drafters.proposers import proposer_for
-from moaspec.models import load_model
 from moaspec.specbench import load_questions
 
-REPO = Path(__file__).resolve().parent.parent
+import specbench_script  # beside this script
+
 NO_REACH = 1 << 30
 
 
@@ -51,19 +49,12 @@ def continue_alone(lm, drafter: MoADrafter, context: list[int], tokens: int, cha
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
-    ap.add_argument("--per-file", type=int, default=10)
+    ap = specbench_script.parser(__doc__, per_file=10)
     ap.add_argument("--verified", type=int, default=32, help="tokens the target answers before the cut (K)")
     ap.add_argument("--continue-tokens", type=int, default=128, help="tokens the drafter writes alone (C)")
-    ap.add_argument("--drafter", default=None, help="a MoA drafter (default: the shipped one)")
     ap.add_argument("--reach", default="", help="Cross-Attention reaches to compare, e.g. none,15 (default: the drafter's own)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    lm = load_model(None, device="cpu")
-    path = args.drafter or shipped_drafter(lm)
+    lm, path = specbench_script.target_and_drafter_path(args)
     variants: dict[str, MoADrafter] = {}
     for r in [r.strip() for r in args.reach.split(",") if r.strip()] or ["own"]:
         d = load_drafter(path, lm)
@@ -99,8 +90,7 @@ def main() -> None:
         worse = sum(1 for r in per if r[other]["perplexity"] > 1.01 * r[names[0]]["perplexity"])  # type: ignore[index]
         print(f"{other} against {names[0]}: lower perplexity on {better} prompts, higher on {worse}, "
               f"within 1% on {len(per) - better - worse}")
-    if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "summary": summary, "prompts": per}, indent=1))
+    specbench_script.write_results(args, summary=summary, prompts=per)
 
 
 if __name__ == "__main__":

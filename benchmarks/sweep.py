@@ -13,22 +13,16 @@ its smallest tree; ``--grid ngram`` the shortest lookup match that counts.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-import torch
-
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
-from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters import load_drafter
 from moaspec.drafters.base import Drafter
-from moaspec.models import load_model
 from moaspec.specbench import load_questions
 
-REPO = Path(__file__).resolve().parent.parent
+import specbench_script  # beside this script
+
 CHAINS = [1, 2, 3, 4, 6]
 TREES = [TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 2, 8), TreeShape(3, 3, 10), TreeShape(4, 3, 12),
          TreeShape(5, 4, 24)]
@@ -80,18 +74,11 @@ VOCAB_SIZES = [4096, 2048]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = specbench_script.parser(__doc__, per_file=2)
     ap.add_argument("--grid", choices=("drafter", "vocab", *GRIDS), default="drafter")
-    ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
-    ap.add_argument("--per-file", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--drafter", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    lm = load_model(None, device="cpu")
-    path = args.drafter or shipped_drafter(lm)
+    lm, path = specbench_script.target_and_drafter_path(args)
     full = load_drafter(path, lm)
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     if args.grid == "drafter":
@@ -134,8 +121,7 @@ def main() -> None:
         tau = st["accepted"] / st["calls"] if st["calls"] else 1.0
         rows[n] = {"tokens_per_s": round(tps, 2), "speedup": round(tps / base, 3), "tau": round(tau, 3)}
         print(f"{n:<22}{tps:>8.1f}{tps / base:>9.2f}{tau:>7.2f}")
-    if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+    specbench_script.write_results(args, results=rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""What the SpecBench scripts here share: their common options, the target and drafter
+those name, and writing the results file (atomically, so a stopped run leaves none)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moaspec.drafters import shipped_drafter
+from moaspec.fileio import atomic_write_text
+from moaspec.models import LoadedModel, load_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parser(doc: str | None, per_file: int) -> argparse.ArgumentParser:
+    """A parser with --questions, --per-file, --drafter, --threads and --output; the script adds its own."""
+    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
+    ap.add_argument("--per-file", type=int, default=per_file, help="the first K questions of each file")
+    ap.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the shipped MoA drafter)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--output", default=None, help="write the arguments and results as JSON here")
+    return ap
+
+
+def target_and_drafter_path(args: argparse.Namespace) -> tuple[LoadedModel, str]:
+    """The default target on this CPU with ``--threads`` threads, and the drafter to load for it."""
+    torch.set_num_threads(args.threads)
+    lm = load_model(None, device="cpu")
+    return lm, str(args.drafter or shipped_drafter(lm))
+
+
+def write_results(args: argparse.Namespace, **results: Any) -> None:
+    if args.output:
+        atomic_write_text(args.output, json.dumps({"args": vars(args), **results}, indent=1))
