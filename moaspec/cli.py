@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tli-layers", type=int, default=0, help="Target Layer Inference: reuse the target's last N layers")
     t.add_argument("--segment-min", type=int, default=5, help="shortest T-step-bounded training segment")
     t.add_argument("--segment-max", type=int, default=15, help="longest T-step-bounded training segment")
+    t.add_argument("--segment-long-fraction", type=float, default=0.0,
+                   help="share of segments drawn longer, from segment-max+1 to --segment-long-max (drafting alone)")
+    t.add_argument("--segment-long-max", type=int, default=0, help="longest of those long segments")
     t.add_argument("--no-staircase", action="store_true", help="no SA curriculum")
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--save-every", type=int, default=50)
@@ -376,11 +379,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
     if args.segment_max < args.segment_min:
         raise MoaspecError("--segment-max must be >= --segment-min")
+    if not 0 <= args.segment_long_fraction < 1 or (args.segment_long_fraction > 0 and args.segment_long_max <= args.segment_max):
+        raise MoaspecError("--segment-long-fraction must be in [0, 1), and with it --segment-long-max > --segment-max")
     if args.lr <= 0 or args.warmup < 0 or not 0 < args.val_fraction < 1 or args.draft_vocab < 0:
         raise MoaspecError("--lr must be > 0, --warmup >= 0, --val-fraction in (0, 1) and --draft-vocab >= 0")
     cfg = TrainConfig(
         kind=args.kind, steps=args.steps, tokens_per_batch=args.tokens_per_batch, grad_accum=args.grad_accum, lr=args.lr,
         warmup=args.warmup, max_len=args.max_len, segment_min=args.segment_min, segment_max=args.segment_max,
+        segment_long_max=args.segment_long_max, segment_long_fraction=args.segment_long_fraction,
         staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
         mixed_precision=args.mixed_precision, cache_features=not args.no_feature_cache, init_from=args.init_from,

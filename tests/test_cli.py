@@ -146,7 +146,9 @@ def test_data_from_a_model_that_writes_no_prompts_ends_with_an_error(tiny_dirs, 
 
 
 @pytest.mark.parametrize("opts,fragment", [(["--lsa-width", "100"], "--lsa-width"), (["--tli-layers", "99"], "--tli-layers"),
-                                           (["--kind", "eagle", "--lsa-width", "128"], "MoA drafters only")])
+                                           (["--kind", "eagle", "--lsa-width", "128"], "MoA drafters only"),
+                                           (["--segment-long-fraction", "0.2"], "--segment-long-max > --segment-max"),
+                                           (["--segment-long-fraction", "1.5", "--segment-long-max", "40"], "[0, 1)")])
 def test_train_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  # type: ignore[no-untyped-def]
     proc = run_cli("train", "--data", str(tmp_path / "data"), "--output", str(tmp_path / "run"),
                    "--model", str(tiny_dirs["llama"]), *opts)

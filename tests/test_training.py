@@ -160,6 +160,27 @@ def test_resume_refuses_other_settings(tiny_llama, tiny_data: Path, tmp_path: Pa
         Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=2, save_every=2, lr=1e-2), progress=False)
 
 
+def test_a_run_begun_before_a_setting_existed_resumes(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A setting added to TrainConfig later was at its default in older runs, which resume as before."""
+    import json
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=2, save_every=1), progress=False).train(until=1)
+    prog = tmp_path / "run" / "progress.json"
+    saved = json.loads(prog.read_text())
+    del saved["config"]["segment_long_fraction"], saved["config"]["segment_long_max"]
+    prog.write_text(json.dumps(saved))
+    resumed = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=2, save_every=1), progress=False)
+    assert resumed.step == 1
+    with pytest.raises(MoaspecError, match="other settings"):
+        Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=2, save_every=1, segment_long_max=40,
+                                                               segment_long_fraction=0.2), progress=False)
+    # and a run with long segments mixed in trains
+    long = Trainer(tiny_llama, tiny_data, tmp_path / "long", small(steps=2, save_every=2, segment_long_max=40,
+                                                                    segment_long_fraction=0.3, eval_every=2),
+                   progress=False).train()
+    assert long["steps"] == 2 and long["finished"] and 0 < long["last_val"]["val_loss"] < float("inf")
+
+
 def test_refuses_data_from_another_model(tiny_dirs, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from moaspec.models import load_model_dir
 

@@ -45,6 +45,25 @@ def test_lengths_are_uniform_over_5_to_15() -> None:
     assert (freq - 1 / 11).abs().max() < 0.02
 
 
+def test_a_share_of_long_segments_is_mixed_in() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lengths = []
+    for _ in range(200):
+        b = sorted(set(segment_starts(0, 400, gen, 5, 15, long_hi=64, long_fraction=0.25).tolist()))
+        lengths += [c - a for a, c in zip(b, b[1:])]
+    lengths_t = torch.tensor(lengths)
+    assert lengths_t.min() >= 5 and lengths_t.max() <= 64 and lengths_t.max() > 60
+    share = float((lengths_t > 15).float().mean())
+    assert 0.22 < share < 0.28  # a quarter of the segments, drawn from 16..64
+    long = lengths_t[lengths_t > 15].float()
+    assert abs(float(long.mean()) - 40.0) < 1.5  # uniform over 16..64
+    # without long segments the draws, and so a resumed older run, are exactly as before
+    a = segment_starts(3, 200, torch.Generator().manual_seed(7))
+    assert torch.equal(a, segment_starts(3, 200, torch.Generator().manual_seed(7), long_hi=64, long_fraction=0.0))
+    with pytest.raises(ValueError, match="long_hi > hi"):
+        segment_starts(0, 50, gen, 5, 15, long_hi=15, long_fraction=0.1)
+
+
 def test_no_cross_attention_past_a_segment_start() -> None:
     P, S = 4, 40
     starts = segment_starts(P, S, torch.Generator().manual_seed(1))

@@ -36,8 +36,9 @@ class Masks:
 
 
 def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor, lo: int = 5, hi: int = 15,
-                device: torch.device | str = "cpu") -> Masks:
-    """Training masks: response segments of lengths drawn uniformly from ``lo..hi``.
+                device: torch.device | str = "cpu", long_hi: int = 0, long_fraction: float = 0.0) -> Masks:
+    """Training masks: response segments of lengths drawn uniformly from ``lo..hi``
+    (a ``long_fraction`` of them from ``hi+1..long_hi``: :func:`segment_starts`).
 
     Segment starts are drawn on the CPU (one generator, so a resumed run draws the same
     ones); the masks themselves are built on ``device`` (:func:`masks_from_starts`).
@@ -45,7 +46,8 @@ def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor
     B, S = batch.tokens.shape
     starts = torch.zeros(B, S, dtype=torch.long)
     for b in range(B):
-        starts[b, : int(batch.lengths[b])] = segment_starts(int(batch.prompt_lens[b]), int(batch.lengths[b]), generator, lo, hi)
+        starts[b, : int(batch.lengths[b])] = segment_starts(int(batch.prompt_lens[b]), int(batch.lengths[b]), generator, lo, hi,
+                                                             long_hi, long_fraction)
     return masks_from_starts(batch, starts, local_sa, device)
 
 

@@ -14,18 +14,27 @@ from __future__ import annotations
 import torch
 
 
-def segment_starts(prompt_len: int, seq_len: int, generator: torch.Generator, lo: int = 5, hi: int = 15) -> torch.Tensor:
+def segment_starts(prompt_len: int, seq_len: int, generator: torch.Generator, lo: int = 5, hi: int = 15,
+                   long_hi: int = 0, long_fraction: float = 0.0) -> torch.Tensor:
     """``[seq_len]``: the start of the segment each position belongs to (0 for prompt positions).
 
     Response segments have lengths drawn uniformly from ``lo..hi``; the last one is cut
-    by the end of the sequence.
+    by the end of the sequence. With ``long_fraction > 0``, that share of segments is
+    drawn from ``hi+1..long_hi`` instead: longer stretches without new target states,
+    which a client generating alone after a disconnection lives in, mixed into the
+    usual ones rather than replacing them (replacing them cost online acceptance).
     """
     if not 1 <= lo <= hi:
         raise ValueError(f"segment lengths need 1 <= lo <= hi, got {lo}..{hi}")
+    if not 0.0 <= long_fraction < 1.0 or (long_fraction > 0 and long_hi <= hi):
+        raise ValueError(f"long segments need a fraction in [0, 1) and long_hi > hi, got {long_fraction} and {long_hi}")
     starts = torch.zeros(seq_len, dtype=torch.long)
     s = prompt_len
     while s < seq_len:
-        n = int(torch.randint(lo, hi + 1, (1,), generator=generator))
+        if long_fraction > 0 and float(torch.rand((), generator=generator)) < long_fraction:
+            n = int(torch.randint(hi + 1, long_hi + 1, (1,), generator=generator))
+        else:
+            n = int(torch.randint(lo, hi + 1, (1,), generator=generator))
         starts[s : s + n] = s
         s += n
     return starts

@@ -57,6 +57,8 @@ class TrainConfig:
     max_len: int = 1024
     segment_min: int = 5
     segment_max: int = 15
+    segment_long_max: int = 0  # with segment_long_fraction > 0: that share of segments is segment_max+1..this long
+    segment_long_fraction: float = 0.0
     staircase: bool = True
     val_fraction: float = 0.02
     val_batches: int = 8
@@ -231,7 +233,8 @@ class Trainer:
                 atomic_write_text(self.out / "train_config.json", json.dumps(asdict(self.cfg), indent=1))
             return
         saved = json.loads(prog.read_text())
-        if saved["config"] != asdict(self.cfg):
+        # a setting added after the run began was then at its default
+        if {**asdict(TrainConfig()), **saved["config"]} != asdict(self.cfg):
             raise MoaspecError(f"{self.out} holds a run with other settings; resume with the same options or choose a new --output")
         self.acc.load_state(str(self.state_dir))
         self.step, self.tokens, self.wall = saved["step"], saved["tokens"], saved["wall_s"]
@@ -320,7 +323,8 @@ class Trainer:
         cfg = self.cfg
         p = staircase_probability(self.step, cfg.steps) if cfg.staircase else 0.0
         local = torch.rand(batch.tokens.shape[0], generator=gen) < p
-        masks = build_masks(batch, gen, local, cfg.segment_min, cfg.segment_max, self.acc.device)
+        masks = build_masks(batch, gen, local, cfg.segment_min, cfg.segment_max, self.acc.device,
+                            cfg.segment_long_max, cfg.segment_long_fraction)
         tgt = self.target_features(batch)
         with self.acc.autocast():
             out = drafter_loss(self.raw, self.target.model, batch, masks, tgt, wrapped=self.model)
