@@ -201,10 +201,11 @@ class MoADrafter(Drafter):
 
         ``newest``: the position of the newest memory entry each query may read. A query
         is rotated as if it stood at most ``ca_reach`` positions past it. Training's
-        segments are at most that long, so this changes nothing there or in ordinary
-        drafting; it keeps a client that generates alone for many tokens (or a long
-        pipelined chain) at query-to-memory distances training has shown, instead of
-        ever larger ones that it never has.
+        usual segments are at most that long (longer ones, ``--segment-long-fraction``,
+        are bounded alike), so this changes nothing there or in ordinary drafting; it
+        keeps a client that generates alone for many tokens (or a long pipelined
+        chain) at query-to-memory distances training has shown, instead of ever larger
+        ones that it never has.
         """
         limit = torch.as_tensor(newest + self.cfg.ca_reach, device=positions.device)
         cos, sin = self.rope(torch.minimum(positions, limit))
