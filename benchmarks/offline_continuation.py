@@ -21,13 +21,14 @@ from dataclasses import replace
 import torch
 
 from moaspec.chat import chat_messages, encode_chat
-from moaspec.clientserver.bench import perplexity
+from moaspec.clientserver.bench import matching_prefix, perplexity
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.vanilla import generate
 from moaspec.drafters import load_drafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.drafters.proposers import proposer_for
+from moaspec.models import LoadedModel
 from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
@@ -35,7 +36,7 @@ import specbench_script  # beside this script
 NO_REACH = 1 << 30
 
 
-def continue_alone(lm, drafter: MoADrafter, context: list[int], tokens: int, chain: int = 8) -> list[int]:  # type: ignore[no-untyped-def]
+def continue_alone(lm: LoadedModel, drafter: MoADrafter, context: list[int], tokens: int, chain: int = 8) -> list[int]:
     """``tokens`` greedy drafts after ``context`` (all verified), the drafter feeding itself in chains of ``chain``."""
     cache = lm.model.new_cache(len(context) + tokens + chain)
     with torch.inference_mode():
@@ -73,8 +74,7 @@ def main() -> None:
         row: dict[str, object] = {"category": q.category, "question_id": q.question_id}
         for name, d in variants.items():
             alone = continue_alone(lm, d, context, args.continue_tokens)
-            match = next((i for i, (a, b) in enumerate(zip(alone, reference)) if a != b), len(alone))
-            row[name] = {"perplexity": round(perplexity(lm, context, alone), 4), "exact_match": match}
+            row[name] = {"perplexity": round(perplexity(lm, context, alone), 4), "exact_match": matching_prefix(alone, reference)}
         per.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{'variant':<10}{'geo-mean perplexity':>21}{'exact match':>13}")

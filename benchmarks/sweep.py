@@ -19,6 +19,7 @@ from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter
 from moaspec.drafters.base import Drafter
+from moaspec.models import LoadedModel
 from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
@@ -73,6 +74,14 @@ GRIDS = {"lookup": lookup_grid, "ngram": ngram_grid}  # grids of the full drafte
 VOCAB_SIZES = [4096, 2048]
 
 
+def smaller_vocabularies(path: str, lm: LoadedModel, full: Drafter, sizes: list[int]) -> dict[int, Drafter]:
+    """A copy of the drafter per size, its logits restricted to that many of its trained draft vocabulary."""
+    vocabs = {k: load_drafter(path, lm) for k in sizes if full.draft_vocab is not None and k < full.cfg.draft_vocab_size}
+    for k, d in vocabs.items():
+        d.attach(lm.model, vocab_limit=k)
+    return vocabs
+
+
 def main() -> None:
     ap = specbench_script.parser(__doc__, per_file=2)
     ap.add_argument("--grid", choices=("drafter", "vocab", *GRIDS), default="drafter")
@@ -82,17 +91,9 @@ def main() -> None:
     full = load_drafter(path, lm)
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
     if args.grid == "drafter":
-        vocabs = {k: load_drafter(path, lm) for k in VOCABS
-                  if full.draft_vocab is not None and k < full.cfg.draft_vocab_size}
-        for k, d in vocabs.items():
-            d.attach(lm.model, vocab_limit=k)
-        configs = {"vanilla": Strategy(), **drafter_grid(full, vocabs)}
+        configs = {"vanilla": Strategy(), **drafter_grid(full, smaller_vocabularies(path, lm, full, VOCABS))}
     elif args.grid == "vocab":
-        vocabs = {full.cfg.draft_vocab_size: full}
-        for k in VOCAB_SIZES:
-            if full.draft_vocab is not None and k < full.cfg.draft_vocab_size:
-                vocabs[k] = load_drafter(path, lm)
-                vocabs[k].attach(lm.model, vocab_limit=k)
+        vocabs = {full.cfg.draft_vocab_size: full, **smaller_vocabularies(path, lm, full, VOCAB_SIZES)}
         configs = {"vanilla": Strategy(), **vocab_grid(vocabs)}
     else:
         configs = {"vanilla": Strategy(), **GRIDS[args.grid](full)}

@@ -138,6 +138,11 @@ def perplexity(target: LoadedModel, context: Sequence[int], continuation: Sequen
     return math.exp(float(nll))
 
 
+def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens of ``a`` and ``b`` agree (a continuation against the target's own)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int], profile: Profile,
                 ids: Sequence[int], after: int, cont: int, chain: int, fmt: str, seed: int) -> dict[str, Any]:
     proxy = NetworkProxy(upstream, profile, seed).start()
@@ -159,9 +164,9 @@ def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int]
     context = list(ids) + verified
     reference = generate(target.model, target.tokenizer, context,
                          GenerationConfig(max_new_tokens=cont, ignore_eos=True)).token_ids
-    match = next((i for i, (a, b) in enumerate(zip(alone, reference)) if a != b), min(len(alone), len(reference)))
     return {"verified_before_cut": len(verified), "perplexity": perplexity(target, context, alone),
-            "target_greedy_perplexity": perplexity(target, context, reference), "exact_match_tokens": match}
+            "target_greedy_perplexity": perplexity(target, context, reference),
+            "exact_match_tokens": matching_prefix(alone, reference)}
 
 
 def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: list[Question], profiles: list[Profile],
