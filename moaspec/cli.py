@@ -656,7 +656,8 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
                            tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total),
                            disconnect_after=args.disconnect_after,
                            continue_tokens=args.continue_tokens, port=args.port,
-                           model_spec=args.model, drafter_path=str(path), more_moa=more, progress=not args.no_progress)
+                           model_spec=args.model, drafter_path=str(path), more_moa=more, progress=not args.no_progress,
+                           settings={k: v for k, v in vars(args).items() if k not in ("output", "no_progress", "port")})
     print(table(summary))
     print(f"summary.json in {args.output}")
     return 0

@@ -85,13 +85,13 @@ def test_an_interrupted_bench_resumes_where_it_stopped(tiny_dirs, setup, tmp_pat
     journal = out / "answers.partial.jsonl"
     assert not (out / "summary.json").exists() and len(journal.read_text().splitlines()) == 2  # header + one question
     with journal.open("a") as f:
-        f.write('{"question": 1, "rows": [{"meth')  # a line torn by the interruption
-    first = [json.loads(line) for line in journal.read_text().splitlines()[1:2]][0]["rows"]
+        f.write('{"key": "1", "value": [{"meth')  # a line torn by the interruption
+    first = [json.loads(line) for line in journal.read_text().splitlines()[1:2]][0]["value"]
 
     calls.clear()
     monkeypatch.setattr(bench_run, "answer_question", lambda *a: (calls.append(str(a[2].question_id)), real(*a))[1])
     assert main(argv) == 0
-    assert "resuming; 1 of 3 questions" in capsys.readouterr().err
+    assert "resuming; 1 of 3 questions already done" in capsys.readouterr().err
     assert len(calls) == 4  # only the two questions still missing, by both methods
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_questions"] == 1 and summary["results"]["moa"]["overall"]["prompts"] == 3

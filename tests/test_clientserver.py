@@ -546,6 +546,58 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     assert "--lookup" in capsys.readouterr().err
 
 
+def test_an_interrupted_bench_cs_resumes_where_it_stopped(tiny_llama, tiny_dirs, tmp_path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import json as jsonlib
+
+    import moaspec.clientserver.bench as bench_cs
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+
+    torch.manual_seed(6)
+    path = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path / "moa", target_identity(tiny_llama))
+    (tmp_path / "q.jsonl").write_text("".join(jsonlib.dumps({"question_id": i, "turns": [text]}) + "\n"
+                                              for i, text in enumerate(["The quick brown fox", "Once upon a time"])))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    out = tmp_path / "out"
+    argv = ["bench-cs", "--questions", str(tmp_path / "q.jsonl"), "--model", str(tiny_dirs["llama"]), "--drafter", str(path),
+            "--profiles", "lan", "--methods", "moa,api", "--max-new-tokens", "6", "--disconnect-after", "3",
+            "--continue-tokens", "4", "--port", str(port), "--output", str(out), "--no-progress"]
+    real_split, real_api, real_disconnect = bench_cs._split, bench_cs._api, bench_cs._disconnect
+    calls: list[str] = []
+
+    def count(name, real):  # type: ignore[no-untyped-def]
+        return lambda *a, **k: (calls.append(name), real(*a, **k))[1]
+
+    def interrupted(*a, **k):  # type: ignore[no-untyped-def]
+        if calls.count("disconnect") == 1:  # the first question's study is done; stop in the second
+            raise KeyboardInterrupt
+        return count("disconnect", real_disconnect)(*a, **k)
+
+    monkeypatch.setattr(bench_cs, "_split", count("split", real_split))
+    monkeypatch.setattr(bench_cs, "_api", count("api", real_api))
+    monkeypatch.setattr(bench_cs, "_disconnect", interrupted)
+    assert main(argv) == 130
+    journal = out / "runs.partial.jsonl"
+    assert not (out / "summary.json").exists() and len(journal.read_text().splitlines()) == 4  # header, 2 questions, 1 study
+
+    calls.clear()
+    monkeypatch.setattr(bench_cs, "_disconnect", count("disconnect", real_disconnect))
+    assert main(argv) == 0
+    assert "resuming; 3 of 4 runs" in capsys.readouterr().err
+    assert calls == ["split", "api", "disconnect"]  # the warm-up, then only the missing study
+    summary = jsonlib.loads((out / "summary.json").read_text())
+    assert summary["resumed_runs"] == 3 and summary["profiles"]["lan"]["moa"]["questions"] == 2
+    assert len(summary["disconnect"]["moa"]["N=0"]["per_question"]) == 2 and not journal.exists()
+
+    calls.clear()  # other settings: a journal of them is not mixed in
+    journal.write_text(jsonlib.dumps({"run": {"methods": ["api"]}}) + "\n")
+    assert main([*argv, "--chain", "3"]) == 0
+    assert "other settings; starting afresh" in capsys.readouterr().err and calls.count("disconnect") == 2
+
+
 def test_a_failed_prefill_frees_its_place(tiny_llama, drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     store = SessionStore(tiny_llama, drafter, Limits(max_sessions=1))
 

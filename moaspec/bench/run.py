@@ -10,13 +10,12 @@ vanilla decoding measured in the same run.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moaspec.bench.journal import Journal
 from moaspec.bench.methods import Method
 from moaspec.chat import encode_chat
 from moaspec.fileio import atomic_write_text
@@ -95,39 +94,6 @@ def accepted_histograms(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, i
     return {m: dict(sorted(h.items())) for m, h in hist.items()}
 
 
-def _read_journal(journal: Path, run: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
-    """The answers an earlier, interrupted run of the same benchmark left, by question index.
-
-    A journal of another run (other methods, questions or options) is not reused; a
-    last line torn by the interruption is ignored.
-    """
-    if not journal.exists():
-        return {}
-    lines = journal.read_text(encoding="utf-8").splitlines()
-    try:
-        header = json.loads(lines[0]) if lines else None
-    except json.JSONDecodeError:
-        header = None
-    if header != {"run": run}:
-        print(f"moaspec bench: {journal} is from a run with other settings; starting afresh", file=sys.stderr)
-        return {}
-    done: dict[int, list[dict[str, Any]]] = {}
-    for line in lines[1:]:
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        done[entry["question"]] = entry["rows"]
-    return done
-
-
-def _append(journal: Path, entry: dict[str, Any]) -> None:
-    with journal.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(entry, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[str, Method], max_new: int,
               output: Path, progress: bool = True, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Answer every question with every method; resume from ``answers.partial.jsonl`` when one is there.
@@ -141,38 +107,32 @@ def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[
 
     names = list(methods)
     output.mkdir(parents=True, exist_ok=True)
-    journal = output / "answers.partial.jsonl"
     run = {"methods": names, "max_new_tokens": max_new, "settings": settings or {},
            "questions": [[q.category, str(q.question_id)] for q in questions]}
-    run = json.loads(json.dumps(run, default=str))  # as it reads back from the journal
-    done = _read_journal(journal, run)
-    if done:
-        print(f"moaspec bench: resuming; {len(done)} of {len(questions)} questions already answered in {journal}", file=sys.stderr)
-    else:
-        atomic_write_text(journal, json.dumps({"run": run}) + "\n")
+    journal = Journal(output / "answers.partial.jsonl", run, "moaspec bench", f"{len(questions)} questions")
+    resumed = sum(1 for i in range(len(questions)) if str(i) in journal.done)
     warm = encode_chat(target.tokenizer, chat_messages("Say hello."))
     for m in names:
         methods[m](warm, 16)
     rows: list[dict[str, Any]] = []
-    bar = tqdm(total=len(questions) * len(names), initial=len(done) * len(names), unit="answer", desc="moaspec bench",
+    bar = tqdm(total=len(questions) * len(names), initial=resumed * len(names), unit="answer", desc="moaspec bench",
                disable=not progress)
     for i, q in enumerate(questions):
-        if i in done:
-            rows.extend(done[i])
+        if str(i) in journal.done:
+            rows.extend(journal.done[str(i)])
             continue
         answers = []
         for m in names[i % len(names):] + names[: i % len(names)]:
             answers.append({"method": m, "category": q.category, "question_id": q.question_id,
                             "turns": answer_question(target, methods[m], q, max_new)})
             bar.update(1)
-        _append(journal, {"question": i, "rows": answers})
-        rows.extend(answers)
+        rows.extend(journal.record(str(i), answers))
     bar.close()
-    summary = {"methods": names, "max_new_tokens": max_new, "questions": len(questions), "resumed_questions": len(done),
+    summary = {"methods": names, "max_new_tokens": max_new, "questions": len(questions), "resumed_questions": resumed,
                "results": summarise(rows, names), "accepted_histogram": accepted_histograms(rows)}
     atomic_write_text(output / "answers.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=1))
-    journal.unlink()
+    journal.finish()
     from moaspec.bench.plots import save_plots
 
     save_plots(summary, output)

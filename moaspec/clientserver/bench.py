@@ -37,6 +37,7 @@ import httpx
 import torch
 from tqdm import tqdm
 
+from moaspec.bench.journal import Journal
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import NetworkProxy, Profile
@@ -174,8 +175,14 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
                  fmt: str = "fp16", tree: TreeShape = TreeShape(),
                  disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
                  model_spec: str | None = None, drafter_path: str | None = None,
-                 more_moa: Sequence[tuple[str, Drafter]] = (), progress: bool = True) -> dict[str, Any]:
+                 more_moa: Sequence[tuple[str, Drafter]] = (), progress: bool = True,
+                 settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """``drafters`` maps each drafter method (moa, eagle2, independent) to its drafter; api is server-side.
+
+    Every question's runs (all methods, one profile) and every disconnection study go to
+    ``output/runs.partial.jsonl`` as they finish (:class:`moaspec.bench.journal.Journal`):
+    the same call with the same ``settings`` (the options that shape the drafters)
+    resumes an interrupted run.
 
     ``lookup`` is the most prompt-lookup drafts per verification of ``moa-pld``; ``tree`` the
     dynamic trees ``moa-tree`` sends instead of chains (the disconnection study keeps chains).
@@ -208,6 +215,13 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
         "pinned": f"client on core {cores[0]}, server on core {cores[1]}" if pinned else "not pinned (one core)",
         "profiles": {p.name: p.describe() for p in profiles}}}
     output.mkdir(parents=True, exist_ok=True)
+    studied = [*drafters.items(), *(("moa", d) for _, d in more_moa)] if disconnect_after > 0 else []
+    run = {"setup": summary["setup"], "methods": list(methods), "settings": settings or {},
+           "questions": [[q.category, str(q.question_id)] for q in questions],
+           "disconnect": [disconnect_after, continue_tokens, [m for m, _ in studied]]}
+    journal = Journal(output / "runs.partial.jsonl", run, "moaspec bench-cs",
+                      f"{(len(profiles) + len(studied)) * len(prompts)} runs (profile or disconnection study × question)")
+    resumed = len(journal.done)
     try:
         # warm both ends (first-call allocations) before timing anything
         for d, n, shape in clients.values():
@@ -215,38 +229,48 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
         _api(server.url, questions[0].turns[0], 8)
         bar = tqdm(total=len(profiles) * len(methods) * len(prompts), disable=not progress, desc="bench-cs")
         for profile in profiles:
-            proxy = NetworkProxy(upstream, profile, seed=0).start()
-            rows: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+            todo = [i for i in range(len(prompts)) if f"{profile.name}/{i}" not in journal.done]
+            bar.update(len(methods) * (len(prompts) - len(todo)))
+            # a resumed profile's link draws its delays afresh from the seed: the same profile, not the same draws
+            proxy = NetworkProxy(upstream, profile, seed=0).start() if todo else None
             try:
-                for q, ids in prompts:
+                for i in todo:
+                    q, ids = prompts[i]
+                    rows: dict[str, dict[str, Any]] = {}
                     for m in methods:  # back to back per question, so drift hits both alike
+                        assert proxy is not None
                         if m in clients:
                             drafter, n, shape = clients[m]
-                            row = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n, shape)
+                            rows[m] = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n, shape)
+                            rows[m].pop("token_ids")
                         else:
-                            row = _api(proxy.url, q.turns[0], max_new)
-                        row.pop("token_ids", None)
-                        rows[m].append(row)
+                            rows[m] = _api(proxy.url, q.turns[0], max_new)
                         bar.update()
+                    journal.record(f"{profile.name}/{i}", rows)
             finally:
-                proxy.stop()
-            summary["profiles"][profile.name] = {m: _aggregate(r) for m, r in rows.items()}
+                if proxy is not None:
+                    proxy.stop()
+            summary["profiles"][profile.name] = {
+                m: _aggregate([journal.done[f"{profile.name}/{i}"][m] for i in range(len(prompts))]) for m in methods}
         bar.close()
-        if disconnect_after > 0:
-            for m, d in [*drafters.items(), *(("moa", d) for _, d in more_moa)]:
-                results = [_disconnect(target, d, upstream, profiles[0], ids, disconnect_after, continue_tokens, chain,
-                                       fmt, i) for i, (_, ids) in enumerate(tqdm(prompts, disable=not progress,
-                                                                                 desc=f"disconnect {m}"))]
-                label = f"N={d.cfg.tli_layers}" if isinstance(d, MoADrafter) else "chain"
-                summary["disconnect"].setdefault(m, {})[label] = {
-                    "perplexity": round(sum(r["perplexity"] for r in results) / len(results), 3),
-                    "target_greedy_perplexity": round(sum(r["target_greedy_perplexity"] for r in results) / len(results), 3),
-                    "exact_match_tokens": round(sum(r["exact_match_tokens"] for r in results) / len(results), 2),
-                    "per_question": results}
+        for m, d in studied:
+            label = f"N={d.cfg.tli_layers}" if isinstance(d, MoADrafter) else "chain"
+            results = [journal.done.get(f"disconnect/{m}/{label}/{i}") or journal.record(
+                           f"disconnect/{m}/{label}/{i}",
+                           _disconnect(target, d, upstream, profiles[0], ids, disconnect_after, continue_tokens, chain, fmt, i))
+                       for i, (_, ids) in enumerate(tqdm(prompts, disable=not progress, desc=f"disconnect {m}"))]
+            summary["disconnect"].setdefault(m, {})[label] = {
+                "perplexity": round(sum(r["perplexity"] for r in results) / len(results), 3),
+                "target_greedy_perplexity": round(sum(r["target_greedy_perplexity"] for r in results) / len(results), 3),
+                "exact_match_tokens": round(sum(r["exact_match_tokens"] for r in results) / len(results), 2),
+                "per_question": results}
+        if studied:
             summary["disconnect"].update({"after_tokens": disconnect_after, "continue_tokens": continue_tokens})
     finally:
         server.close()
+    summary["resumed_runs"] = resumed
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
+    journal.finish()
     return summary
 
 
