@@ -20,6 +20,7 @@ from moaspec.bench.methods import Method
 from moaspec.chat import encode_chat
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
+from moaspec.progress import progress_bar
 from moaspec.specbench import Question
 
 
@@ -101,8 +102,6 @@ def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[
     ``settings`` are the options that shape the methods (drafters, chain, tree); a
     journal is resumed only by a run with the same methods, questions, budget and settings.
     """
-    from tqdm import tqdm
-
     from moaspec.chat import chat_messages
 
     names = list(methods)
@@ -115,8 +114,8 @@ def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[
     for m in names:
         methods[m](warm, 16)
     rows: list[dict[str, Any]] = []
-    bar = tqdm(total=len(questions) * len(names), initial=resumed * len(names), unit="answer", desc="moaspec bench",
-               disable=not progress)
+    bar = progress_bar(total=len(questions) * len(names), initial=resumed * len(names), unit="answer", desc="moaspec bench",
+                       disable=not progress)
     for i, q in enumerate(questions):
         if str(i) in journal.done:
             rows.extend(journal.done[str(i)])

@@ -35,7 +35,6 @@ from typing import Any
 
 import httpx
 import torch
-from tqdm import tqdm
 
 from moaspec.bench.journal import Journal
 from moaspec.chat import chat_messages, encode_chat
@@ -49,6 +48,7 @@ from moaspec.drafters.moa import MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
+from moaspec.progress import progress_bar
 from moaspec.specbench import Question
 
 METHODS = ("moa", "moa-pld", "moa-tree", "eagle2", "independent", "api")
@@ -227,7 +227,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
         for d, n, shape in clients.values():
             _split(target, d, server.url, prompts[0][1], 8, chain, fmt, n, shape)
         _api(server.url, questions[0].turns[0], 8)
-        bar = tqdm(total=len(profiles) * len(methods) * len(prompts), disable=not progress, desc="bench-cs")
+        bar = progress_bar(total=len(profiles) * len(methods) * len(prompts), disable=not progress, desc="bench-cs")
         for profile in profiles:
             todo = [i for i in range(len(prompts)) if f"{profile.name}/{i}" not in journal.done]
             bar.update(len(methods) * (len(prompts) - len(todo)))
@@ -258,7 +258,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
             results = [journal.done.get(f"disconnect/{m}/{label}/{i}") or journal.record(
                            f"disconnect/{m}/{label}/{i}",
                            _disconnect(target, d, upstream, profiles[0], ids, disconnect_after, continue_tokens, chain, fmt, i))
-                       for i, (_, ids) in enumerate(tqdm(prompts, disable=not progress, desc=f"disconnect {m}"))]
+                       for i, (_, ids) in enumerate(progress_bar(iterable=prompts, disable=not progress, desc=f"disconnect {m}"))]
             summary["disconnect"].setdefault(m, {})[label] = {
                 "perplexity": round(sum(r["perplexity"] for r in results) / len(results), 3),
                 "target_greedy_perplexity": round(sum(r["target_greedy_perplexity"] for r in results) / len(results), 3),

@@ -33,6 +33,7 @@ from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
+from moaspec.progress import progress_bar
 
 # System messages that steer the model towards a task family when it writes a user prompt.
 TASKS: dict[str, str] = {
@@ -240,13 +241,11 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
 
 def generate_dataset(model: LoadedModel, out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, Any]:
     """Fill ``out`` with shards until ``cfg.examples`` records exist; resume where a previous run stopped."""
-    from tqdm import tqdm
-
     identity = {"model": model.fingerprint, "config": {k: v for k, v in asdict(cfg).items() if k != "examples"},
                 "generator": GENERATOR}
     writer = DataWriter(out, identity)
-    bar = tqdm(total=cfg.examples, initial=min(writer.records, cfg.examples), unit="turn", disable=not progress,
-               desc="moaspec data")
+    bar = progress_bar(total=cfg.examples, initial=min(writer.records, cfg.examples), unit="turn", disable=not progress,
+                       desc="moaspec data")
     while writer.records < cfg.examples:
         check_not_stalled(writer.manifest["shards"], cfg)
         records = make_shard(model, cfg, writer.next_shard, writer.seen)

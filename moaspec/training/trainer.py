@@ -35,6 +35,7 @@ from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
+from moaspec.progress import progress_bar
 from moaspec.training.dataset import (Batch, Example, batch_stream, collate, draft_vocabulary, load_examples, make_batches,
                                       read_manifest)
 from moaspec.training.distill import (acceptance_by_offset, accepted_runs, build_masks, drafter_loss, full_argmax, simulate_chain,
@@ -333,14 +334,12 @@ class Trainer:
 
     def train(self, until: int | None = None) -> dict[str, Any]:
         """Run to ``cfg.steps`` updates (or stop after update ``until``, saved, to resume later)."""
-        from tqdm import tqdm
-
         cfg = self.cfg
         stream = batch_stream(self.examples_for, cfg.tokens_per_batch, cfg.seed, self.acc.process_index,
                               self.acc.num_processes, skip=self.step * cfg.grad_accum)
         gen = torch.Generator()
-        bar = tqdm(total=cfg.steps, initial=self.step, unit="step", desc="moaspec train",
-                   disable=not (self.progress and self.acc.is_main_process))
+        bar = progress_bar(total=cfg.steps, initial=self.step, unit="step", desc="moaspec train",
+                           disable=not (self.progress and self.acc.is_main_process))
         last = cfg.steps if until is None else min(until, cfg.steps)
         while self.step < last:
             t0 = time.perf_counter()
@@ -369,7 +368,8 @@ class Trainer:
             self.log("train_log.csv", {"step": self.step, "tokens": self.tokens, "lr": self.sched.get_last_lr()[0],
                                        **{k: round(v, 5) for k, v in parts.items()},
                                        "tokens_per_s": round(step_tokens / dt, 1), "wall_s": round(self.wall, 1)})
-            bar.set_postfix(loss=f"{parts['loss']:.3f}", kl=f"{parts['kl']:.3f}", tok_s=f"{step_tokens / dt:.0f}")
+            bar.set_postfix(loss=f"{parts['loss']:.3f}", kl=f"{parts['kl']:.3f}", tok_s=f"{step_tokens / dt:.0f}",
+                            refresh=False)
             bar.update(1)
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 self.last_val = self.evaluate()
