@@ -6,7 +6,8 @@ against vanilla in the same run, and τ for each configuration. ``--grid drafter
 sweeps the drafter alone (chains, trees, draft vocabularies); ``--grid vocab`` the
 default decodings at smaller draft vocabularies; ``--grid lookup``
 sweeps prompt lookup's length alone, before chains of the drafter, and grafted onto
-its smallest tree; ``--grid ngram`` the shortest lookup match that counts.
+its smallest tree; ``--grid ngram`` the shortest lookup match that counts; ``--grid
+confidence`` longer chains cut where the drafter's probability falls below a threshold.
 
     .venv/bin/python benchmarks/sweep.py --grid drafter --per-file 2 --max-new-tokens 128
 """
@@ -60,6 +61,15 @@ def ngram_grid(full: Drafter) -> dict[str, Strategy]:
     return grid
 
 
+def confidence_grid(full: Drafter) -> dict[str, Strategy]:
+    """Longer chains that end where the drafter's probability falls below a threshold, alone and after lookup."""
+    grid = {"chain-2": Strategy(full, chain=2), "lookup-10+chain-2": Strategy(full, chain=2, lookup=10)}
+    for chain, p in ((4, 0.5), (6, 0.5), (6, 0.6), (6, 0.7)):
+        grid[f"chain-{chain}-p{p}"] = Strategy(full, chain=chain, confidence=p)
+    grid["lookup-10+chain-6-p0.6"] = Strategy(full, chain=6, lookup=10, confidence=0.6)
+    return grid
+
+
 def vocab_grid(vocabs: dict[int, Drafter]) -> dict[str, Strategy]:
     """The default decodings (chains of 2, the smallest tree, lookup before chains of 2) at each draft vocabulary."""
     grid = {}
@@ -70,7 +80,7 @@ def vocab_grid(vocabs: dict[int, Drafter]) -> dict[str, Strategy]:
     return grid
 
 
-GRIDS = {"lookup": lookup_grid, "ngram": ngram_grid}  # grids of the full drafter alone
+GRIDS = {"lookup": lookup_grid, "ngram": ngram_grid, "confidence": confidence_grid}  # grids of the full drafter alone
 VOCAB_SIZES = [4096, 2048]
 
 

@@ -48,6 +48,24 @@ def _default_lookup() -> int:
     return DEFAULT_LOOKUP
 
 
+def _probability(text: str) -> float:
+    try:
+        p = float(text)
+    except ValueError:
+        p = -1.0
+    if not 0 <= p < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability in [0, 1)")
+    return p
+
+
+def _add_confidence_option(p: argparse.ArgumentParser) -> None:
+    from moaspec.decoding.speculative import DEFAULT_CONFIDENCE
+
+    p.add_argument("--draft-confidence", type=_probability, default=DEFAULT_CONFIDENCE, metavar="P",
+                   help="end a chain early (chains only): drafts after the first only while the drafter gives them probability "
+                        f">= P, so --chain is the most per forward (0: off; default {DEFAULT_CONFIDENCE:g})")
+
+
 def _add_lookup_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup", type=int, default=None, metavar="N",
                    help="prompt lookup: up to N drafts copied from where the newest tokens occurred before, before the "
@@ -84,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-draft", action="store_true", help="plain decoding, one target forward per token")
     g.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
                    help=f"chain drafting: T drafts per target forward (default {_default_chain()}, measured best here; see BENCHMARKS.md)")
+    _add_confidence_option(g)
     g.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
     _add_tree_options(g)
     _add_lookup_option(g)
@@ -175,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "another --tli-layers (repeatable)")
     s.add_argument("--no-draft", action="store_true", help="plain decoding")
     s.add_argument("--chain", type=int, default=_default_chain(), metavar="T", help="drafts per target forward (chain drafting)")
+    _add_confidence_option(s)
     s.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
     _add_tree_options(s)
     _add_lookup_option(s)
@@ -188,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--drafter", default=None, help="MoA (any N), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     c.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
                    help=f"drafts per verification (default {_default_chain()}, as for generate)")
+    _add_confidence_option(c)
     c.add_argument("--lookup", type=int, default=_default_lookup(), metavar="N",
                    help="prompt lookup: send up to N drafts copied from where the newest tokens occurred before, and "
                         f"the drafter's chain only where nothing matches; 0: off (default {_default_lookup()}). "
@@ -232,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--max-new-tokens", type=int, default=128)
     bc.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
     bc.add_argument("--chain", type=int, default=_default_chain(), help=f"drafts per verification (default {_default_chain()})")
+    _add_confidence_option(bc)
     _add_tree_options(bc)
     bc.add_argument("--state-format", choices=("fp16", "int8"), default="fp16")
     bc.add_argument("--disconnect-after", type=int, default=32, help="cut the link after K verified tokens (0: no study)")
@@ -253,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (default: the one shipped for the target)")
     b.add_argument("--independent-drafter", default=None, help="independent drafter for independent and hf-assisted")
     b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain, moa-chain-pld and independent")
+    _add_confidence_option(b)
     b.add_argument("--lookup", type=int, default=_default_lookup(),
                    help="prompt lookup drafts per target forward for pld, moa-pld, moa-chain-pld and hf-pld")
     _add_tree_options(b)
@@ -340,7 +363,9 @@ def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
         print(f"moaspec: no drafter ships for {loaded.path.name}; decoding with {how} "
               "(train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
         return Strategy(lookup=lookup)
-    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=_tree_shape(args), lookup=lookup)
+    tree = _tree_shape(args)
+    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=tree, lookup=lookup,
+                    confidence=0.0 if tree is not None else args.draft_confidence)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -433,7 +458,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = _load(args)
     opts = MethodOptions(moa_drafter=args.drafter, eagle_drafter=args.eagle_drafter,
-                         independent_drafter=args.independent_drafter, chain=args.chain, pld_tokens=args.lookup,
+                         independent_drafter=args.independent_drafter, chain=args.chain, confidence=args.draft_confidence,
+                         pld_tokens=args.lookup,
                          tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total))
     methods = build_methods(names, loaded, opts)
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "no_progress")}
@@ -554,7 +580,8 @@ def cmd_client(args: argparse.Namespace) -> int:
         print(f"\n[moaspec: {text}]", file=sys.stderr, flush=True)
 
     gen = SplitGeneration(drafter, loaded.tokenizer, remote, stop_token_ids(loaded.model, loaded.tokenizer),
-                          draft_len=args.chain, fmt=args.state_format, max_draft=int(info["max_draft"]),
+                          draft_len=args.chain, confidence=args.draft_confidence, fmt=args.state_format,
+                          max_draft=int(info["max_draft"]),
                           lookup=args.lookup, tree=_tree_shape(args), on_piece=piece, on_event=None if args.json else event)
     ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
@@ -652,7 +679,8 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
         if method in methods:
             drafters[method] = require_drafter(where, kind, method, loaded)
     summary = run_bench_cs(loaded, drafters, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
-                           Path(args.output), chain=args.chain, lookup=args.lookup, fmt=args.state_format,
+                           Path(args.output), chain=args.chain, confidence=args.draft_confidence, lookup=args.lookup,
+                           fmt=args.state_format,
                            tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total),
                            disconnect_after=args.disconnect_after,
                            continue_tokens=args.continue_tokens, port=args.port,

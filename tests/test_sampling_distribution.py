@@ -77,6 +77,8 @@ PLAIN, WARPED = SamplingParams(temperature=1.0), SamplingParams(temperature=0.7,
 CASES = [(m, p) for m in ("chain", "tree", "eagle-tree", "independent-chain") for p in (PLAIN, WARPED)]
 # lookup's point masses, alone, before a drafter's chain, grafted onto its tree: one case each keeps CI short
 CASES += [("lookup-chain", PLAIN), ("moa-lookup-chain", WARPED), ("moa-lookup-tree", PLAIN)]
+# chains cut where the drafter is unsure: the cut depends on the drafter's own draws alone
+CASES += [("confident-chain", WARPED)]
 
 
 @pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{'plain' if p == PLAIN else 'warped'}" for m, p in CASES])
@@ -87,6 +89,7 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
     got2, got3 = torch.zeros(V), torch.zeros(V)
     runs = 2000
     accepted = 0
+    shortened = [0]  # chains the confidence ended early
     for seed in range(runs):
         cfg = GenerationConfig(max_new_tokens=3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
         if method == "moa-lookup-tree":
@@ -95,6 +98,18 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
         elif method in ("lookup-chain", "moa-lookup-chain"):  # lookup drafts are point masses, mixed with the drafter's
             drafter = proposers["moa"]() if method == "moa-lookup-chain" else None
             r = generate_chain(model, tok, LookupProposer(V, drafter, drafter_len=2), PROMPT, cfg, draft_len=3)
+        elif method == "confident-chain":
+            proposer = proposers["moa"]()
+            proposer.confidence = 0.35
+            full_chain = proposer.propose
+
+            def propose(tokens, n, sampling, generator):  # type: ignore[no-untyped-def]
+                drafts = full_chain(tokens, n, sampling, generator)
+                shortened[0] += len(drafts.tokens) < n
+                return drafts
+
+            proposer.propose = propose  # type: ignore[method-assign]
+            r = generate_chain(model, tok, proposer, PROMPT, cfg, draft_len=3)
         elif method.endswith("chain"):
             r = generate_chain(model, tok, proposers["moa" if method == "chain" else "independent"](), PROMPT, cfg, draft_len=3)
         else:
@@ -105,5 +120,7 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
         accepted += sum(r.accepted_lengths) - len(r.accepted_lengths)
     # lookup alone drafts only when the first token repeats one of the prompt's three
     assert accepted > runs // (20 if method == "lookup-chain" else 10), f"{accepted} accepted drafts: the drafter's proposals must be accepted sometimes for the test to mean anything"
+    if method == "confident-chain":  # the rule must both cut chains and leave some whole
+        assert runs // 10 < shortened[0] < 9 * runs // 10, shortened
     assert chi_square_p(got2, want2) > 1e-3
     assert chi_square_p(got3, want3) > 1e-3

@@ -104,6 +104,43 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             assert got.tau > min(draft_len, 3)  # all drafts accepted except at the budget's end
 
 
+def test_a_chain_ends_at_the_first_later_draft_below_the_confidence(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """The rule itself: the drafts are a prefix of the full chain, cut before the first draft after
+    the first whose drafter probability is below the threshold; and decoding stays lossless."""
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+
+    class Recorded(MoAProposer):
+        def _feed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            logits, feat = super()._feed(*args, **kwargs)
+            self.probs.append(float(logits[-1].softmax(-1).max()))
+            return logits, feat
+
+    proposer = Recorded(moa_proposer(tiny_llama).drafter)
+    cache = model.new_cache(64)
+    out = model(torch.tensor([PROMPTS[1]]), cache)
+    tokens = PROMPTS[1] + [int(out.logits[0, -1].argmax())]
+    proposer.begin(cache, out.hidden[0])
+    proposer.probs = []
+    full = proposer.propose(tokens, 6, SamplingParams(), None).tokens.tolist()
+    probs = proposer.probs  # of drafts 1..6
+    for cut in range(1, 6):  # a threshold just above draft cut+1's probability, at or below those before it
+        threshold = probs[cut] + 1e-6
+        want = 1 + next((i for i, q in enumerate(probs[1:]) if q < threshold), 5)
+        proposer.commit(cache.length)  # nothing verified: back to the same state
+        proposer.probs, proposer.confidence = [], threshold
+        assert proposer.propose(tokens, 6, SamplingParams(), None).tokens.tolist() == full[:want]
+
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    for confidence in (0.05, 0.3, 0.999999):
+        confident = moa_proposer(tiny_llama)
+        confident.confidence = confidence
+        for prompt in PROMPTS:
+            got = generate_chain(model, tok, confident, prompt, cfg, draft_len=6)
+            assert got.token_ids == generate(model, tok, prompt, cfg).token_ids
+            if confidence > 0.99:  # no later draft is that sure: every chain is one draft long
+                assert max(got.accepted_lengths) <= 2
+
+
 def test_chain_stops_on_eos_and_budget_like_vanilla(tiny_llama) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
     for budget in (1, 2, 5, 13):

@@ -19,7 +19,7 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationResult
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
-from moaspec.decoding.speculative import DEFAULT_CHAIN
+from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.decoding.vanilla import stop_token_ids
@@ -43,6 +43,7 @@ class MethodOptions:
     independent_drafter: str | None = None
     tree: TreeShape = TreeShape()
     chain: int = DEFAULT_CHAIN
+    confidence: float = DEFAULT_CONFIDENCE  # chains (moa-chain, moa-chain-pld, independent) end below it
     pld_tokens: int = DEFAULT_LOOKUP  # prompt lookup drafts per target forward (pld, moa-pld, moa-chain-pld, hf-pld)
 
 
@@ -128,17 +129,17 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
         elif name == "moa":
             methods[name] = _ours(target, Strategy(moa, tree=opts.tree))
         elif name == "moa-chain":
-            methods[name] = _ours(target, Strategy(moa, chain=opts.chain))
+            methods[name] = _ours(target, Strategy(moa, chain=opts.chain, confidence=opts.confidence))
         elif name == "moa-pld":
             methods[name] = _ours(target, Strategy(moa, tree=opts.tree, lookup=opts.pld_tokens))
         elif name == "moa-chain-pld":
-            methods[name] = _ours(target, Strategy(moa, chain=opts.chain, lookup=opts.pld_tokens))
+            methods[name] = _ours(target, Strategy(moa, chain=opts.chain, lookup=opts.pld_tokens, confidence=opts.confidence))
         elif name == "pld":
             methods[name] = _ours(target, Strategy(lookup=opts.pld_tokens))
         elif name == "eagle2":
             methods[name] = _ours(target, Strategy(require_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
         elif name == "independent":
-            methods[name] = _ours(target, Strategy(independent, chain=opts.chain))
+            methods[name] = _ours(target, Strategy(independent, chain=opts.chain, confidence=opts.confidence))
         else:
             if hf is None:
                 from transformers import AutoModelForCausalLM

@@ -107,10 +107,10 @@ def _api(url: str, prompt: str, max_new: int) -> dict[str, Any]:
 
 
 def _split(target: LoadedModel, drafter: Drafter, url: str, ids: Sequence[int], max_new: int, chain: int,
-           fmt: str, lookup: int = 0, tree: TreeShape | None = None) -> dict[str, Any]:
+           fmt: str, lookup: int = 0, tree: TreeShape | None = None, confidence: float = 0.0) -> dict[str, Any]:
     remote = RemoteTarget(url, timeout=30)
     gen = SplitGeneration(drafter, target.tokenizer, remote, stop_token_ids(target.model, target.tokenizer),
-                          draft_len=chain, fmt=fmt, lookup=lookup, tree=tree)
+                          draft_len=chain, fmt=fmt, lookup=lookup, tree=tree, confidence=confidence)
     r = gen.run(ids, GenerationConfig(max_new_tokens=max_new), target.cfg.max_position_embeddings)
     remote.shutdown()
     return {"tokens": len(r.token_ids), "total_s": r.total_s, "ttft_s": r.ttft_s, "server_calls": r.server_calls,
@@ -171,7 +171,8 @@ def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int]
 
 
 def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: list[Question], profiles: list[Profile],
-                 methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, lookup: int = 10,
+                 methods: Sequence[str], max_new: int, output: Path, *, chain: int = 4, confidence: float = 0.0,
+                 lookup: int = 10,
                  fmt: str = "fp16", tree: TreeShape = TreeShape(),
                  disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
                  model_spec: str | None = None, drafter_path: str | None = None,
@@ -185,7 +186,8 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     resumes an interrupted run.
 
     ``lookup`` is the most prompt-lookup drafts per verification of ``moa-pld``; ``tree`` the
-    dynamic trees ``moa-tree`` sends instead of chains (the disconnection study keeps chains).
+    dynamic trees ``moa-tree`` sends instead of chains (the disconnection study keeps chains
+    of ``chain``, whatever ``confidence`` the timed chains end at).
     ``more_moa`` (path, drafter): further MoA drafters, e.g. other N, that the
     disconnection study runs too (labelled by N, like the main one).
     """
@@ -207,7 +209,8 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     upstream = ("127.0.0.1", port)
     prompts = [(q, encode_chat(target.tokenizer, chat_messages(q.turns[0]))) for q in questions]
     summary: dict[str, Any] = {"profiles": {}, "disconnect": {}, "setup": {
-        "questions": len(questions), "max_new_tokens": max_new, "chain": chain, "state_format": fmt,
+        "questions": len(questions), "max_new_tokens": max_new, "chain": chain, "draft_confidence": confidence,
+        "state_format": fmt,
         **({"tree": {"depth": tree.depth, "top_k": tree.top_k, "total": tree.total}} if "moa-tree" in methods else {}),
         **({"moa_drafter": drafter_path, "moa_tli_layers": drafters["moa"].cfg.tli_layers}  # type: ignore[attr-defined]
            if "moa" in drafters else {}),
@@ -225,7 +228,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     try:
         # warm both ends (first-call allocations) before timing anything
         for d, n, shape in clients.values():
-            _split(target, d, server.url, prompts[0][1], 8, chain, fmt, n, shape)
+            _split(target, d, server.url, prompts[0][1], 8, chain, fmt, n, shape, confidence)
         _api(server.url, questions[0].turns[0], 8)
         bar = progress_bar(total=len(profiles) * len(methods) * len(prompts), disable=not progress, desc="bench-cs")
         for profile in profiles:
@@ -241,7 +244,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
                         assert proxy is not None
                         if m in clients:
                             drafter, n, shape = clients[m]
-                            rows[m] = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n, shape)
+                            rows[m] = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n, shape, confidence)
                             rows[m].pop("token_ids")
                         else:
                             rows[m] = _api(proxy.url, q.turns[0], max_new)

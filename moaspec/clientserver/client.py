@@ -35,6 +35,7 @@ from moaspec.clientserver import codec
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationConfig, TokenSink
 from moaspec.decoding.lookup import MIN_NGRAM_BEFORE_DRAFTER, NgramIndex
+from moaspec.decoding.proposer import check_confidence
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN
 from moaspec.decoding.tree import TreeShape
@@ -239,12 +240,14 @@ SPLIT_PROPOSERS: dict[type[Drafter], Callable[[Any], SplitProposer]] = {
     MoADrafter: SplitMoAProposer, EagleDrafter: SplitEagleProposer, IndependentDrafter: SplitIndependentProposer}
 
 
-def split_proposer(drafter: Drafter) -> SplitProposer:
-    """A fresh client-side proposer for ``drafter`` (one per generation)."""
-    proposer = SPLIT_PROPOSERS.get(type(drafter))
-    if proposer is None:
+def split_proposer(drafter: Drafter, confidence: float = 0.0) -> SplitProposer:
+    """A fresh client-side proposer for ``drafter`` (one per generation); ``confidence`` as for one device."""
+    cls = SPLIT_PROPOSERS.get(type(drafter))
+    if cls is None:
         raise MoaspecError(f"no client–server proposer for {type(drafter).__name__}")
-    return proposer(drafter)
+    proposer = cls(drafter)
+    proposer.confidence = check_confidence(confidence)
+    return proposer
 
 
 @dataclass
@@ -287,9 +290,10 @@ class SplitGeneration:
     def __init__(self, drafter: Drafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = DEFAULT_CHAIN,
                  fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8, pipeline: bool = True, lookup: int = 0,
                  tree: TreeShape | None = None, on_piece: Callable[[str, PieceKind], None] | None = None,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None, confidence: float = 0.0) -> None:
         """``tree``: send EAGLE-2 dynamic draft trees instead of chains (not pipelined: what to draft
-        next depends on which branch the target takes)."""
+        next depends on which branch the target takes). ``confidence``: chains end where the
+        drafter's probability falls below it (:class:`moaspec.drafters.proposers.DrafterProposer`)."""
         split_proposer(drafter)  # refuse an unsupported drafter now rather than mid-generation
         # a server may hold several MoA drafters' server halves: the client names its own
         self.fingerprint = drafter.fingerprint() if isinstance(drafter, MoADrafter) else None
@@ -298,6 +302,7 @@ class SplitGeneration:
         self.on_piece, self.on_event = on_piece, on_event
         self.pipeline = pipeline
         self.tree = tree
+        self.confidence = check_confidence(confidence)
         self.lookup = min(lookup, max_draft)  # most drafts per prompt-lookup copy (0: the drafter alone)
         self.state_bytes = 0
         self.pipeline_hits = 0  # verifications whose next drafts were ready when the answer came
@@ -343,7 +348,7 @@ class SplitGeneration:
         on_piece = self.on_piece
         self.sink = sink = TokenSink(self.tokenizer, config, self.eos, budget, None, on_piece=(
             (lambda text, drafted: on_piece(text, "draft" if drafted else "target")) if on_piece else None))
-        self.proposer = split_proposer(self.drafter)
+        self.proposer = split_proposer(self.drafter, self.confidence)
         self.view = _View(len(prompt_ids), min(context, len(prompt_ids) + budget + self.max_draft + 2))
         self.proposer.begin(self.view)  # type: ignore[arg-type]
         self.index = NgramIndex(min_ngram=MIN_NGRAM_BEFORE_DRAFTER)  # a drafter always stands behind it here

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from moaspec.decoding.sampling import SamplingParams
+from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 
 
@@ -34,7 +35,10 @@ class Proposer(Protocol):
 
     def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        """Draft ``n`` tokens after ``tokens`` (verified tokens, ending with the target's newest one)."""
+        """Draft up to ``n`` tokens after ``tokens`` (verified tokens, ending with the target's newest one).
+
+        Fewer is allowed (a chain that ends where the drafter is unsure): the loop verifies what comes.
+        """
 
     def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         """The first ``verified`` tokens are now verified and in the target's cache; forget the rest.
@@ -42,3 +46,10 @@ class Proposer(Protocol):
         ``path``: for a tree, the accepted nodes (``None`` for a chain's accepted prefix).
         ``hidden``: the target's final hidden states of the newly verified tokens.
         """
+
+
+def check_confidence(p: float) -> float:
+    """A draft confidence is a probability below 1 (a chain always keeps its first draft); 0 turns it off."""
+    if not 0 <= p < 1:
+        raise MoaspecError(f"a draft confidence is a probability in [0, 1) (0: off), got {p}")
+    return p

@@ -32,6 +32,8 @@ from moaspec.models.transformer import Transformer
 # Tuned on this CPU with the shipped drafter (benchmarks/sweep.py, BENCHMARKS.md): with its
 # acceptance, longer chains cost more drafting than they save.
 DEFAULT_CHAIN = 2
+# The drafter's probability a chain's later drafts need (0: every chain is DEFAULT_CHAIN long).
+DEFAULT_CONFIDENCE = 0.0
 
 
 @dataclass

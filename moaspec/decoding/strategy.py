@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
 from moaspec.decoding.lookup import LookupProposer
+from moaspec.decoding.proposer import check_confidence
 from moaspec.decoding.speculative import DEFAULT_CHAIN, generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.decoding.vanilla import generate
@@ -25,15 +26,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Strategy:
-    """Chains of ``chain`` drafts from ``drafter``, or its ``tree``; with ``lookup`` > 0, up to that many
-    prompt-lookup drafts too (before a chain's drafter, grafted onto a tree). Plain decoding
-    when there is neither drafter nor lookup."""
+    """Chains of ``chain`` drafts from ``drafter`` (shorter where its probabilities fall below
+    ``confidence``), or its ``tree``; with ``lookup`` > 0, up to that many prompt-lookup drafts
+    too (before a chain's drafter, grafted onto a tree). Plain decoding when there is neither
+    drafter nor lookup."""
 
     drafter: Drafter | None = None
     chain: int = DEFAULT_CHAIN
     tree: TreeShape | None = None
     lookup: int = 0
     lookup_min_ngram: int | None = None  # shortest lookup match that counts (None: LookupProposer's rule)
+    confidence: float = 0.0  # a chain's drafts after the first need this draft probability (0: off)
 
     def __post_init__(self) -> None:
         if self.chain < 1:
@@ -42,6 +45,9 @@ class Strategy:
             raise MoaspecError(f"lookup drafts must be >= 0 (0 disables lookup), got {self.lookup}")
         if self.lookup and self.tree is not None and self.drafter is None:
             raise MoaspecError("prompt lookup adds to a drafter's tree; without a drafter it drafts chains")
+        check_confidence(self.confidence)
+        if self.confidence and self.tree is not None:
+            raise MoaspecError("a draft confidence ends chains early; trees are sized by --tree-total instead")
         if self.lookup_min_ngram is not None and self.lookup_min_ngram < 1:
             raise MoaspecError(f"a lookup match needs at least one token, got {self.lookup_min_ngram}")
 
@@ -53,7 +59,8 @@ class Strategy:
         kind = type(self.drafter).__name__.removesuffix("Drafter").lower()
         if self.tree is not None:
             return f"{kind}-tree(depth={self.tree.depth},top_k={self.tree.top_k},total={self.tree.total})" + lookup
-        return f"{kind}-chain({self.chain})" + lookup
+        confidence = f",confidence={self.confidence:g}" if self.confidence else ""
+        return f"{kind}-chain({self.chain}{confidence})" + lookup
 
     def run(self, target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
             on_text: TextCallback | None = None, on_piece: PieceCallback | None = None) -> GenerationResult:
@@ -66,7 +73,7 @@ class Strategy:
             return generate(model, tok, prompt_ids, config, on_text=on_text)
         from moaspec.drafters.proposers import proposer_for
 
-        proposer: Any = proposer_for(self.drafter) if self.drafter is not None else None
+        proposer: Any = proposer_for(self.drafter, self.confidence) if self.drafter is not None else None
         if self.lookup:
             proposer = LookupProposer(model.cfg.vocab_size, proposer, drafter_len=self.chain, tree_lookup=self.lookup,
                                       min_ngram=self.lookup_min_ngram)

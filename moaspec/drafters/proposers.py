@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moaspec.decoding.proposer import Proposal
+from moaspec.decoding.proposer import Proposal, check_confidence
 from moaspec.decoding.sampling import SamplingParams, sample, warp_logits
 from moaspec.decoding.tree import DraftTree, TreeShape
 from moaspec.drafters.base import Drafter
@@ -26,9 +26,18 @@ from moaspec.models.kv_cache import KVCache
 
 
 class DrafterProposer:
-    """Chain and tree drafting; subclasses implement the hooks below."""
+    """Chain and tree drafting; subclasses implement the hooks below.
+
+    ``confidence`` (0: off) ends a chain early: a draft after the first is proposed only
+    while the drafter gives it at least that probability. A trained drafter's
+    probability is close to the chance that the target accepts the draft (BENCHMARKS.md),
+    and on a CPU every verified token costs: long chains where the drafter is sure,
+    short ones where it guesses. The length depends on the drafter alone, never on the
+    target, so verification stays lossless.
+    """
 
     drafter: Drafter
+    confidence: float = 0.0
 
     def __init__(self) -> None:
         self.cache: KVCache | None = None  # the target's
@@ -89,10 +98,15 @@ class DrafterProposer:
         dists: list[torch.Tensor] = []
         for i in range(n):
             if sampling.greedy:
-                tok = d.to_target_ids(logits[-1].argmax())
+                best = logits[-1].argmax()
+                if i and self.confidence and float(logits[-1].float().softmax(-1)[best]) < self.confidence:
+                    break
+                tok = d.to_target_ids(best)
             else:
                 probs = self._full_vocab(warp_logits(logits[-1], sampling).softmax(-1))
                 tok = sample(probs, generator)
+                if i and self.confidence and float(probs[tok]) < self.confidence:
+                    break
                 dists.append(probs)
             drafts.append(tok.reshape(1))
             if i + 1 < n:
@@ -326,9 +340,14 @@ PROPOSERS: dict[type[Drafter], Callable[[Any], DrafterProposer]] = {
 """The proposer that drives each drafter class: a new drafter plugs in by adding its pair."""
 
 
-def proposer_for(drafter: Drafter) -> DrafterProposer:
-    """A fresh proposer (one per generation: it holds that generation's drafter state)."""
-    proposer = PROPOSERS.get(type(drafter))
-    if proposer is None:
+def proposer_for(drafter: Drafter, confidence: float = 0.0) -> DrafterProposer:
+    """A fresh proposer (one per generation: it holds that generation's drafter state).
+
+    ``confidence``: see :class:`DrafterProposer` (0: chains of the full length asked for).
+    """
+    cls = PROPOSERS.get(type(drafter))
+    if cls is None:
         raise TypeError(f"no proposer for {type(drafter).__name__}")
-    return proposer(drafter)
+    proposer = cls(drafter)
+    proposer.confidence = check_confidence(confidence)
+    return proposer
