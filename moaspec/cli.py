@@ -18,10 +18,20 @@ EXIT_USAGE = 2
 DRAFT_COLOUR, UNVERIFIED_COLOUR, RESET = "\033[36m", "\033[33m", "\033[0m"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return n
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model: 'smollm2' (default, embedded), a .gguf file, or a local HF model directory")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="the target's weights and activations (default: fp32 on CPU, bf16 on GPUs); "
                         "float32 on a GPU makes distillation data and features exactly as the CPU target sees them")
@@ -448,15 +458,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.methods import MethodOptions, build_methods
     from moaspec.bench.run import run_bench, table
     from moaspec.decoding.tree import TreeShape
-    from moaspec.specbench import load_questions
+    from moaspec.specbench import check_first_turns_fit, load_questions
 
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not names or len(set(names)) != len(names):
-        raise MoaspecError("--methods needs a comma list of distinct methods")
+    names = _method_list(args.methods)
     if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or args.chain < 1 or args.lookup < 1:
         raise MoaspecError("--max-new-tokens, --limit, --chain and --lookup must be >= 1")
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = _load(args)
+    check_first_turns_fit(questions, loaded.tokenizer, loaded.cfg.max_position_embeddings)
     opts = MethodOptions(moa_drafter=args.drafter, eagle_drafter=args.eagle_drafter,
                          independent_drafter=args.independent_drafter, chain=args.chain, confidence=args.draft_confidence,
                          pld_tokens=args.lookup,
@@ -530,16 +539,14 @@ def cmd_client(args: argparse.Namespace) -> int:
         raise MoaspecError("--chain and --max-new-tokens must be >= 1, --timeout > 0, --retries and --lookup >= 0")
     proxy, cut_after = None, None
     if args.network:
-        from urllib.parse import urlsplit
-
+        from moaspec.clientserver.client import parse_server_url
         from moaspec.clientserver.netem import NetworkProxy, parse_profile
 
         try:
             profile, cut_after = parse_profile(args.network)
         except ValueError as exc:
             raise MoaspecError(str(exc)) from None
-        where = urlsplit(args.server)
-        proxy = NetworkProxy((where.hostname or "127.0.0.1", where.port or 80), profile).start()
+        proxy = NetworkProxy(parse_server_url(args.server), profile).start()
     if args.bundle:
         from moaspec.clientserver.bundle import bundle_drafter, load_bundle
 
@@ -635,7 +642,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
         model.save_pretrained(str(tmp), safe_serialization=True)
         loaded.tokenizer.save_pretrained(str(tmp))  # type: ignore[attr-defined]
 
-    atomic_write_dir(args.output, write)
+    atomic_write_dir(args.output, write, marker="config.json")
     print(f"transformers model in {args.output} ({drafter.cfg.layers} layers; load it with "
           "AutoModelForCausalLM.from_pretrained)")
     return 0
@@ -652,19 +659,22 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     from moaspec.drafters.eagle import EagleDrafter
     from moaspec.drafters.independent import IndependentDrafter
     from moaspec.drafters.moa import MoADrafter
-    from moaspec.specbench import load_questions
+    from moaspec.specbench import check_first_turns_fit, load_questions
 
     names = [p.strip() for p in args.profiles.split(",") if p.strip()]
     bad = [p for p in names if p not in PROFILES]
     if not names or bad:
         raise MoaspecError(f"--profiles takes a comma list from {', '.join(PROFILES)}" + (f"; not {', '.join(bad)}" if bad else ""))
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = _method_list(args.methods)
     if (args.max_new_tokens < 1 or args.chain < 1 or args.disconnect_after < 0 or args.continue_tokens < 1
             or args.lookup < 1):
         raise MoaspecError("--max-new-tokens, --chain, --lookup and --continue-tokens must be >= 1, "
                            "--disconnect-after >= 0")
+    if not 1 <= args.port <= 65535:
+        raise MoaspecError(f"--port must be in 1..65535, got {args.port}")
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = _load(args)
+    check_first_turns_fit(questions, loaded.tokenizer, loaded.cfg.max_position_embeddings)
     path = args.drafter or shipped_drafter(loaded)
     if path is None:
         raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
@@ -691,6 +701,22 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _method_list(text: str) -> list[str]:
+    """``--methods`` of bench and bench-cs: a comma list of distinct names (each command checks the names)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names or len(set(names)) != len(names):
+        raise MoaspecError("--methods needs a comma list of distinct methods")
+    return names
+
+
+def _check_output_dir(path: str) -> None:
+    """A command that writes into ``--output DIR`` (creating it) cannot use a file's name."""
+    from pathlib import Path
+
+    if Path(path).exists() and not Path(path).is_dir():
+        raise MoaspecError(f"--output {path} is a file; it must name a directory (new, or one this command wrote)")
+
+
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
@@ -713,6 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("data", "train", "bench", "bench-cs"):
+            _check_output_dir(args.output)
         return COMMANDS[args.command](args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)

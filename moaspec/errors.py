@@ -16,3 +16,9 @@ class ModelLoadError(MoaspecError):
 
 class PromptError(MoaspecError):
     """A prompt is empty or does not fit the model's context window."""
+
+
+def brief(exc: BaseException, limit: int = 300) -> str:
+    """A library's multi-line error message as one line, shortened: for a :class:`MoaspecError` that quotes it."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

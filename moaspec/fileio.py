@@ -8,6 +8,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from moaspec.errors import MoaspecError
+
 
 def _umask() -> int:
     """The process's umask (reading it means setting it; it is set straight back)."""
@@ -35,12 +37,20 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
-def atomic_write_dir(path: str | Path, write: Callable[[Path], None]) -> None:
+def atomic_write_dir(path: str | Path, write: Callable[[Path], None], marker: str) -> None:
     """Call ``write(tmp_dir)`` on a fresh directory beside ``path``, then rename it into place.
 
-    The directory appears complete or not at all; an older one at ``path`` is replaced.
+    The directory appears complete or not at all. An older one at ``path`` is replaced
+    only if it is empty or an earlier result of the same kind (it holds ``marker``, a
+    file that ``write`` always writes): an ``--output`` that names a folder of the
+    user's own files, or a file, is refused rather than deleted.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise MoaspecError(f"{path} is a file; name a new directory (or an earlier one of these) instead")
+    if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
+        raise MoaspecError(f"{path} holds other files (it has no {marker}); name a new or empty directory, "
+                           "or an earlier one of these to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should look like any other directory

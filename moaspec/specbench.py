@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, PromptError
 
 
 @dataclass(frozen=True)
@@ -26,19 +27,43 @@ def load_questions(path: str | Path, per_file: int | None = None) -> list[Questi
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     if not path.exists() or not files:
         raise MoaspecError(f"no SpecBench .jsonl question files at {path}")
+    if per_file is not None and per_file < 1:
+        raise MoaspecError(f"--limit must be >= 1 (questions per file), got {per_file}")
     out: list[Question] = []
     for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError) as exc:
+            raise MoaspecError(f"cannot read {f} as UTF-8 text: {exc}") from None
         rows = []
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
-                turns = tuple(obj["turns"])
+                turns = obj["turns"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise MoaspecError(f"{f}:{n} is not a SpecBench question (JSON with a 'turns' list)") from None
-            if not turns or not all(isinstance(t, str) for t in turns):
-                raise MoaspecError(f"{f}:{n} has no turns")
-            rows.append(Question(str(obj.get("question_id", n)), f.stem, turns))
+            if not isinstance(turns, list):
+                raise MoaspecError(f"{f}:{n}: 'turns' must be a list of strings, got {type(turns).__name__}")
+            if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+                raise MoaspecError(f"{f}:{n} has no turns, or an empty one")
+            rows.append(Question(str(obj.get("question_id", n)), f.stem, tuple(turns)))
         out.extend(rows[:per_file] if per_file else rows)
+    if not out:
+        raise MoaspecError(f"no questions in {path} (its .jsonl files are empty)")
     return out
+
+
+def check_first_turns_fit(questions: list[Question], tokenizer: Any, context: int) -> None:
+    """Refuse, before any measuring, a question whose first turn leaves no room to answer in ``context``.
+
+    (A later turn that no longer fits ends its conversation there, as a chat would.)
+    """
+    from moaspec.chat import check_fits, encode_chat
+
+    for q in questions:
+        try:
+            check_fits(len(encode_chat(tokenizer, [{"role": "user", "content": q.turns[0]}])), context)
+        except PromptError as exc:
+            raise MoaspecError(f"question {q.question_id} of {q.category}: {exc}") from None

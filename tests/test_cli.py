@@ -154,3 +154,97 @@ def test_train_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  
                    "--model", str(tiny_dirs["llama"]), *opts)
     assert_one_line_error(proc, fragment)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("opts,fragment", [(["--threads", "-1"], "not a whole number >= 1"),
+                                           (["--threads", "0"], "not a whole number >= 1"),
+                                           (["--draft-confidence", "1"], "not a probability")])
+def test_options_checked_by_the_parser(tiny_dirs, capsys, opts, fragment) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--model", str(tiny_dirs["llama"]), *opts])
+    assert exit_.value.code == 2 and fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device,fragment", [("bogus", "not a torch device"), ("cuda", "no usable CUDA GPU"),
+                                             ("meta", "runs on cpu or cuda")])
+def test_an_unusable_device_is_refused(tiny_dirs, capsys, device, fragment) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from moaspec.cli import main
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["generate", "hi", "--model", str(tiny_dirs["llama"]), "--device", device]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ('{"turns": "Say hi."}\n', "must be a list of strings"),
+    ('{"turns": ["  "]}\n', "an empty one"),
+    ("", "no questions"),
+    (b"\xff\xfe\x00garbage", "UTF-8"),
+])
+def test_bad_question_files(tmp_path: Path, content, fragment) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.errors import MoaspecError
+    from moaspec.specbench import load_questions
+
+    f = tmp_path / "q.jsonl"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(MoaspecError, match=fragment):
+        load_questions(f)
+
+
+def test_bench_refuses_bad_questions_and_outputs_before_measuring(tiny_dirs, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.cli import main
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question_id": 7, "turns": ["word " * 400]}) + "\n")  # beyond the tiny model's 256 positions
+    base = ["--questions", str(q), "--model", str(tiny_dirs["llama"]), "--methods", "vanilla", "--max-new-tokens", "2"]
+    assert main(["bench", *base, "--output", str(tmp_path / "b")]) == 2
+    assert "question 7 of q: the prompt is" in capsys.readouterr().err
+    plain = tmp_path / "plain.txt"
+    plain.write_text("mine")
+    for command in ("bench", "bench-cs", "data", "train"):
+        argv = {"bench": ["bench", *base], "bench-cs": ["bench-cs", *base], "data": ["data"],
+                "train": ["train", "--data", str(tmp_path)]}[command]
+        assert main([*argv, "--output", str(plain)]) == 2
+        assert "is a file" in capsys.readouterr().err and plain.read_text() == "mine"
+    assert main(["bench-cs", *base[:-4], "--methods", ",", "--output", str(tmp_path / "c")]) == 2
+    assert "distinct methods" in capsys.readouterr().err
+    assert main(["bench-cs", *base[:-4], "--methods", "moa,moa", "--output", str(tmp_path / "c")]) == 2
+
+
+def test_bench_cs_stops_a_server_that_did_not_start(tiny_dirs, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The server child must not outlive the failure (it used to keep running, holding the port)."""
+    import socket
+
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+    from moaspec.drafters.moa import MoAConfig, MoADrafter
+    from moaspec.models import load_model_dir
+
+    target = load_model_dir(tiny_dirs["llama"], device="cpu")
+    drafter = save_drafter(MoADrafter(MoAConfig.for_target(target.cfg)), tmp_path / "moa", target_identity(target))
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"turns": ["Hello"]}) + "\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["bench-cs", "--questions", str(q), "--model", str(tiny_dirs["llama"]), "--drafter", str(drafter),
+                     "--methods", "api", "--profiles", "none", "--disconnect-after", "0", "--max-new-tokens", "2",
+                     "--port", str(port), "--output", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"did not start on port {port}" in err and "error: moaspec: error" not in err
+    assert main(["bench-cs", "--questions", str(q), "--port", "70000", "--output", str(tmp_path / "o")]) == 2
+
+
+def test_an_oversized_tree_is_refused() -> None:
+    from moaspec.decoding.tree import TreeShape
+    from moaspec.errors import MoaspecError
+
+    for shape in ({"depth": 1000}, {"top_k": 33}, {"total": 100_000}):
+        with pytest.raises(MoaspecError, match="a draft tree may have"):
+            TreeShape(**shape)

@@ -620,3 +620,101 @@ def test_serve_refuses_a_remote_drafter_that_is_not_moa(tiny_llama, tiny_dirs, t
     path = save_drafter(small, tmp_path / "independent", target_identity(tiny_llama))
     assert main(["serve", "--model", str(tiny_dirs["llama"]), "--port", "0", "--no-draft", "--remote-drafter", str(path)]) == 2
     assert "not a MoA drafter" in capsys.readouterr().err
+
+
+# --- bad input to the client: one clear sentence, never a traceback --------------------------
+
+@pytest.mark.parametrize("url, why", [
+    ("http://[::1", "Invalid IPv6 URL"), ("http://127.0.0.1:abc", "integer"),
+    ("http://127.0.0.1:99999", "out of range"),
+    ("http://127.0.0.1:0", "1..65535"), ("ftp://127.0.0.1:8000", "http or https"), ("localhost:8000", "http or https"),
+    ("http://:8000", "no host"),
+])
+def test_a_bad_server_url_is_refused_up_front(url: str, why: str) -> None:
+    from moaspec.clientserver.client import parse_server_url
+    from moaspec.errors import MoaspecError
+
+    for check in (parse_server_url, RemoteTarget):
+        with pytest.raises(MoaspecError, match="not a valid http\\(s\\) URL") as info:
+            check(url)
+        assert why in str(info.value) and "\n" not in str(info.value)
+
+
+def test_good_server_urls_give_host_and_port() -> None:
+    from moaspec.clientserver.client import parse_server_url
+
+    assert parse_server_url("http://127.0.0.1:8000/") == ("127.0.0.1", 8000)
+    assert parse_server_url("https://example.org") == ("example.org", 443)
+    assert parse_server_url("http://[::1]:9") == ("::1", 9)
+
+
+@pytest.mark.parametrize("info, answer", [(None, "404"), ("<html>\n<p>hello</p>\n</html>\n", "200 without JSON"),
+                                          ("[]", "JSON without a fingerprint")])
+def test_a_server_that_is_not_moaspec_is_named_in_one_line(tmp_path, info, answer) -> None:  # type: ignore[no-untyped-def]
+    import functools
+    import http.server
+    import threading
+
+    from moaspec.clientserver.client import NotAMoaspecServer
+
+    if info is not None:
+        (tmp_path / "cs" / "v1").mkdir(parents=True)
+        (tmp_path / "cs" / "v1" / "info").write_text(info)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(NotAMoaspecServer) as error:
+            RemoteTarget(url, retries=0).info()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert str(error.value).startswith(f"{url}: not a moaspec server (GET /cs/v1/info answered {answer}")
+    assert "\n" not in str(error.value)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_as_generate_refuses_it(tiny_llama, drafter, server) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.errors import PromptError
+
+    context = tiny_llama.cfg.max_position_embeddings
+    remote = RemoteTarget(server, KEY)
+    gen = SplitGeneration(drafter, tiny_llama.tokenizer, remote, set(), max_draft=8)
+    refusal = f"the prompt is {context} tokens but the model's context window is {context}: shorten it"
+    with pytest.raises(PromptError, match=refusal):
+        gen.run((PROMPT * context)[:context], GenerationConfig(max_new_tokens=8), context)
+    assert remote.calls == 0  # refused before a session was asked for
+    remote.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client_bundle(tiny_llama, tiny_dirs, tmp_path_factory):  # type: ignore[no-untyped-def]
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+
+    root = tmp_path_factory.mktemp("bundle")
+    path = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), root / "moa", target_identity(tiny_llama))
+    assert main(["export-client", "--model", str(tiny_dirs["llama"]), "--drafter", str(path), "--output",
+                 str(root / "bundle")]) == 0
+    return root / "bundle"
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("bundle.json", lambda b: b"[]"), ("bundle.json", lambda b: b.replace(b'"config"', b'"konfig"')),
+    ("target.safetensors", lambda b: b"garbage" * 10), ("target.safetensors", lambda b: b[: len(b) // 2]),
+])
+def test_a_damaged_bundle_names_its_file(client_bundle, tmp_path, name, damage) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    from moaspec.clientserver.bundle import load_bundle
+    from moaspec.errors import MoaspecError
+
+    bundle = shutil.copytree(client_bundle, tmp_path / "bundle")
+    (bundle / name).write_bytes(damage((bundle / name).read_bytes()))
+    with pytest.raises(MoaspecError, match="is damaged .*: export the client bundle again") as error:
+        load_bundle(bundle)
+    assert str(error.value).startswith(str(bundle / name)) and "\n" not in str(error.value)

@@ -21,7 +21,7 @@ def test_written_files_and_directories_get_the_usual_permissions(tmp_path: Path)
     plain.write_text("x")
     os.mkdir(tmp_path / "plain-dir")
     atomic_write_text(tmp_path / "a.txt", "hello")
-    atomic_write_dir(tmp_path / "d", lambda d: (d / "f").write_text("x"))
+    atomic_write_dir(tmp_path / "d", lambda d: (d / "f").write_text("x"), marker="f")
     assert (tmp_path / "a.txt").read_text() == "hello"
     assert mode(tmp_path / "a.txt") == mode(plain)
     assert mode(tmp_path / "d") == mode(tmp_path / "plain-dir")
@@ -39,3 +39,27 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> 
         atomic_write(target, fail)
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.bin"]
+
+
+def test_a_directory_write_replaces_only_an_earlier_result_or_an_empty_directory(tmp_path: Path) -> None:
+    """``--output`` naming a folder of the user's own files, or a file, is refused, never deleted."""
+    from moaspec.errors import MoaspecError
+
+    def write(d: Path) -> None:
+        (d / "config.json").write_text("{}")
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("keep me too")
+    for path, message in ((mine, "holds other files"), (plain, "is a file")):
+        with pytest.raises(MoaspecError, match=message):
+            atomic_write_dir(path, write, marker="config.json")
+    assert (mine / "notes.txt").read_text() == "keep me" and plain.read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "plain.txt"]  # no temporary left behind
+    (tmp_path / "empty").mkdir()
+    atomic_write_dir(tmp_path / "empty", write, marker="config.json")
+    (tmp_path / "empty" / "config.json").write_text('{"old": 1}')
+    atomic_write_dir(tmp_path / "empty", write, marker="config.json")  # an earlier result is replaced
+    assert (tmp_path / "empty" / "config.json").read_text() == "{}"

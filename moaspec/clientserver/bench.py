@@ -71,7 +71,10 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         line = self.proc.stderr.readline()  # type: ignore[union-attr]
         if "serving" not in line:
-            raise MoaspecError(f"the server did not start: {line.strip()} {self.proc.stderr.read()[-500:]}")  # type: ignore[union-attr]
+            self.proc.kill()  # whatever it printed instead, it must not outlive this failure
+            said = (line + self.proc.stderr.read()[-500:]).strip().removeprefix("moaspec: error: ")  # type: ignore[union-attr]
+            self.proc.wait(30)
+            raise MoaspecError(f"the server did not start on port {port}: {said}")
         self.url = f"http://127.0.0.1:{port}"
 
     def close(self) -> None:
@@ -202,10 +205,6 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     drafters = {m: d for m, d in drafters.items() if m in {VARIANTS.get(c, (c, ""))[0] for c in clients}}
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
-    server = ServerProcess(port, model_spec, drafter_path, cores[1] if pinned else None, [p for p, _ in more_moa])
-    if pinned:
-        os.sched_setaffinity(0, {cores[0]})
-        torch.set_num_threads(1)
     upstream = ("127.0.0.1", port)
     prompts = [(q, encode_chat(target.tokenizer, chat_messages(q.turns[0]))) for q in questions]
     summary: dict[str, Any] = {"profiles": {}, "disconnect": {}, "setup": {
@@ -225,6 +224,11 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     journal = Journal(output / "runs.partial.jsonl", run, "moaspec bench-cs",
                       f"{(len(profiles) + len(studied)) * len(prompts)} runs (profile or disconnection study × question)")
     resumed = len(journal.done)
+    # the server starts last: nothing between here and the `finally` that stops it can fail on input
+    server = ServerProcess(port, model_spec, drafter_path, cores[1] if pinned else None, [p for p, _ in more_moa])
+    if pinned:
+        os.sched_setaffinity(0, {cores[0]})
+        torch.set_num_threads(1)
     try:
         # warm both ends (first-call allocations) before timing anything
         for d, n, shape in clients.values():

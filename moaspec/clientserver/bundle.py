@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moaspec.drafters.checkpoint import KINDS, read_meta
 from moaspec.errors import ModelLoadError, MoaspecError
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.config import ModelConfig
-from moaspec.models.loading import BLOCK_NAME, LoadedModel, assemble, load_tokenizer
+from moaspec.models.loading import BLOCK_NAME, LoadedModel, assemble, load_tokenizer, usable_device
 
 FORMAT = "moaspec-client-bundle/2"  # /1 held no norm nor blocks, under other names
 
@@ -52,8 +53,13 @@ def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path
                 "source": target.path.name, "target_layers": layers}
         (tmp / "bundle.json").write_text(json.dumps(info, indent=2) + "\n")
 
-    atomic_write_dir(output, write)
+    atomic_write_dir(output, write, marker="bundle.json")
     return output
+
+
+def _damaged(file: Path, why: object) -> MoaspecError:
+    """The error for a bundle file that is there but cannot be used: the fix is always a new export."""
+    return MoaspecError(f"{file} is damaged ({why}): export the client bundle again with `moaspec export-client`")
 
 
 def load_bundle(path: str | Path, device: str | None = None) -> LoadedModel:
@@ -64,21 +70,28 @@ def load_bundle(path: str | Path, device: str | None = None) -> LoadedModel:
     except (OSError, ValueError):
         raise MoaspecError(f"{path} is not a client bundle (no readable bundle.json); make one with "
                            "`moaspec export-client`") from None
+    if not isinstance(info, dict):
+        raise _damaged(path / "bundle.json", f"it holds a JSON {type(info).__name__}, not an object")
     if info.get("format") != FORMAT:
         raise MoaspecError(f"{path} holds a client bundle of format {info.get('format')!r}; this moaspec reads {FORMAT}: "
                            "export it again with `moaspec export-client`")
-    raw = dict(info["config"])
-    raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
-    cfg = ModelConfig(**raw)
+    try:  # a bundle of the right format whose fields are missing or mistyped was edited or cut short
+        raw = dict(info["config"])
+        raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
+        cfg = ModelConfig(**raw)
+        layers, fingerprint = int(info.get("target_layers", 0)), str(info["fingerprint"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _damaged(path / "bundle.json", f"{type(exc).__name__}: {exc}") from None
     try:
         tensors = load_file(str(path / "target.safetensors"))
     except (OSError, ValueError) as exc:
         raise MoaspecError(f"cannot read {path / 'target.safetensors'}: {exc}") from None
-    layers = int(info.get("target_layers", 0))
+    except SafetensorError as exc:
+        raise _damaged(path / "target.safetensors", exc) from None
     if not 0 <= layers < cfg.num_layers:
         raise MoaspecError(f"{path}: target_layers must be in 0..{cfg.num_layers - 1}, got {layers}")
     try:
-        model = assemble(cfg, tensors, torch.device(device or "cpu"), torch.float32, info["fingerprint"],
+        model = assemble(cfg, tensors, usable_device(device or "cpu"), torch.float32, fingerprint,
                          first_block=cfg.num_layers - layers)
     except ModelLoadError as exc:
         raise MoaspecError(f"{path}: the bundle's target weights do not fit it: {exc}") from None

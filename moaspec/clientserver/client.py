@@ -27,10 +27,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import torch
 
+from moaspec.chat import check_fits
 from moaspec.clientserver import codec
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationConfig, TokenSink
@@ -63,15 +65,63 @@ class ServerRefused(MoaspecError):
         self.status = status
 
 
+class NotAMoaspecServer(MoaspecError):
+    """Something answered, but not in moaspec's protocol (a web page, another service).
+
+    Its body (often a whole HTML page) would only bury the point, so it is left out.
+    """
+
+    def __init__(self, url: str, request: str, answer: str) -> None:
+        super().__init__(f"{url}: not a moaspec server ({request} answered {answer})")
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def parse_server_url(url: str) -> tuple[str, int]:
+    """``(host, port)`` of a server URL, or a MoaspecError saying why it is not one.
+
+    Checked once, up front, so that a mistyped ``--server`` is one clear sentence instead
+    of a traceback from httpx or urllib, or a misleading "connection refused" (port 99999).
+    """
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # parsed lazily: raises here for a port that is not a number in 0..65535
+        httpx.URL(url)  # and what httpx refuses beyond that
+    except (ValueError, httpx.InvalidURL) as exc:
+        why = str(exc)
+    else:
+        if parts.scheme not in DEFAULT_PORTS:
+            why = "the scheme must be http or https"
+        elif not parts.hostname:
+            why = "it names no host"
+        elif port == 0:
+            why = "the port must be in 1..65535"
+        else:
+            return parts.hostname, port or DEFAULT_PORTS[parts.scheme]
+    raise MoaspecError(f"--server URL is not a valid http(s) URL: {url!r} ({why})")
+
+
+def _error_message(resp: httpx.Response) -> str | None:
+    """The message of a moaspec (OpenAI-style) error body; None when the body is not one."""
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return message if isinstance(message, str) else None
+
+
 class RemoteTarget:
     """The server's ``/cs/v1`` protocol over HTTP, with timeouts, retries and byte counts."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0, retries: int = 2,
                  backoff: float = 0.2) -> None:
+        parse_server_url(url)
+        self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # TCP_NODELAY: small latency-bound requests must never wait on Nagle's algorithm for an ACK
         transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self.http = httpx.Client(base_url=url.rstrip("/") + "/cs/v1", headers=headers, timeout=timeout,
+        self.http = httpx.Client(base_url=self.url + "/cs/v1", headers=headers, timeout=timeout,
                                  transport=transport)
         self.retries, self.backoff = retries, backoff
         self.calls = 0
@@ -89,21 +139,28 @@ class RemoteTarget:
                 self.calls += 1
                 self.bytes_sent += len(resp.request.content)
                 self.bytes_received += len(resp.content)
-                if resp.status_code < 400:
-                    return resp.json() if resp.content else None
-                try:
-                    message = resp.json()["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    message = resp.text[:200]
-                if resp.status_code < 500 and resp.status_code != 429:
-                    raise ServerRefused(resp.status_code, message)
-                error = f"{resp.status_code}: {message}"
+                status, request = resp.status_code, f"{method} {resp.request.url.path}"
+                if status < 400:
+                    try:
+                        return resp.json() if resp.content else None
+                    except ValueError:
+                        raise NotAMoaspecServer(self.url, request, f"{status} without JSON") from None
+                message = _error_message(resp)
+                if status < 500 and status != 429:
+                    if message is None:
+                        raise NotAMoaspecServer(self.url, request, str(status))
+                    raise ServerRefused(status, message)
+                error = f"{status}: {message}" if message is not None else f"{request} answered {status}"
             if attempt + 1 < attempts:
                 time.sleep(self.backoff * 2**attempt)
         raise ServerUnreachable(error)
 
     def info(self) -> dict[str, Any]:
-        return self._request("GET", "/info")
+        """What the server holds; JSON without the keys the client relies on is some other service's."""
+        answer = self._request("GET", "/info")
+        if not isinstance(answer, dict) or not {"fingerprint", "max_draft"} <= answer.keys():
+            raise NotAMoaspecServer(self.url, "GET /cs/v1/info", "JSON without a fingerprint and max_draft")
+        return answer
 
     def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int, layers: int = 0,
              drafter: str | None = None) -> dict[str, Any]:
@@ -125,7 +182,7 @@ class RemoteTarget:
     def close(self, session: str) -> None:
         try:
             self._request("DELETE", f"/sessions/{session}", retries=0)
-        except (ServerUnreachable, ServerRefused):
+        except (ServerUnreachable, MoaspecError):
             pass  # it expires on its own
 
     def shutdown(self) -> None:
@@ -337,7 +394,12 @@ class SplitGeneration:
     # --- the loop -------------------------------------------------------------------------
 
     def run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
-        """Generate one answer; the server is asked to verify on a helper thread (pipelining)."""
+        """Generate one answer; the server is asked to verify on a helper thread (pipelining).
+
+        A prompt that leaves no room in ``context`` is refused here, with :func:`check_fits`'s
+        message (as ``generate`` words it), before a session is asked for.
+        """
+        check_fits(len(prompt_ids), context)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moaspec-verify") as self._pool:
             return self._run(prompt_ids, config, context)
 

@@ -28,6 +28,9 @@ from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer, tree_mask
 
 
+MAX_TREE = {"depth": 32, "top_k": 32, "total": 256}
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """Defaults: the best shape measured on this CPU with the shipped drafter (BENCHMARKS.md);
@@ -40,6 +43,11 @@ class TreeShape:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.total < 1:
             raise MoaspecError(f"a draft tree needs depth >= 1, top_k >= 1 and total >= 1, got {self}")
+        # far past any useful tree (each level is a drafter call, each node a verified token), and
+        # far below a size that would stall a request for minutes
+        if self.depth > MAX_TREE["depth"] or self.top_k > MAX_TREE["top_k"] or self.total > MAX_TREE["total"]:
+            raise MoaspecError(f"a draft tree may have depth <= {MAX_TREE['depth']}, top_k <= {MAX_TREE['top_k']} and "
+                               f"total <= {MAX_TREE['total']} (the paper's GPU tree: 6, 8, 62), got {self}")
 
 
 @dataclass

