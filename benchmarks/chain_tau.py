@@ -6,6 +6,9 @@ under the same machine noise, and every chain output is checked token for token
 against vanilla's (losslessness on the real model).
 
     .venv/bin/python benchmarks/chain_tau.py --questions ../shared/specbench --per-file 10 --max-new-tokens 128
+
+``--calibration`` adds how often the target accepted a draft, by the drafter's own
+probability of it: the evidence behind ``--draft-confidence``.
 """
 
 from __future__ import annotations
@@ -16,10 +19,44 @@ from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.speculative import generate_chain
 from moaspec.drafters import load_drafter
-from moaspec.drafters.proposers import proposer_for
+from moaspec.drafters.proposers import DrafterProposer, proposer_for
 from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
+
+BUCKETS = 10  # draft probabilities in tenths
+
+
+def recording_probabilities(proposer: DrafterProposer, log: list[list[float]]) -> DrafterProposer:
+    """``proposer``, appending for each chain it drafts the drafter's probability of each greedy draft."""
+    feed, propose = proposer._feed, proposer.propose
+
+    def recorded_feed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        logits, features = feed(*args, **kwargs)
+        log[-1].append(float(logits[-1].float().softmax(-1).max()))
+        return logits, features
+
+    def recorded_propose(tokens, n, sampling, generator):  # type: ignore[no-untyped-def]
+        log.append([])
+        drafts = propose(tokens, n, sampling, generator)
+        log[-1] = log[-1][: len(drafts.tokens)]  # the feed after the last draft, if any, proposed nothing
+        return drafts
+
+    proposer._feed, proposer.propose = recorded_feed, recorded_propose  # type: ignore[method-assign]
+    return proposer
+
+
+def calibration(chains: list[list[float]], accepted: list[int]) -> list[dict[str, float]]:
+    """How often the target accepted a draft, by the drafter's probability of it (drafts whose
+    predecessors in the chain were all accepted; ``accepted``: tokens per verification, drafts + 1)."""
+    seen, kept = [0] * BUCKETS, [0] * BUCKETS
+    for probs, a in zip(chains, accepted, strict=True):
+        for k, p in enumerate(probs[:a]):  # up to and including the first rejected draft
+            b = min(BUCKETS - 1, int(p * BUCKETS))
+            seen[b] += 1
+            kept[b] += k < a - 1
+    return [{"probability": f"{b / BUCKETS:.1f}-{(b + 1) / BUCKETS:.1f}", "drafts": seen[b],
+             "accepted": round(kept[b] / seen[b], 3) if seen[b] else None} for b in range(BUCKETS)]
 
 
 def main() -> None:
@@ -28,6 +65,8 @@ def main() -> None:
     ap.add_argument("--draft-len", type=int, default=6)
     ap.add_argument("--no-vanilla", action="store_true",
                     help="τ only: skip the interleaved vanilla runs (no speedup, no losslessness check), half the time")
+    ap.add_argument("--calibration", action="store_true",
+                    help="also print how often drafts were accepted by the drafter's probability of them")
     args = ap.parse_args()
     lm, path = specbench_script.target_and_drafter_path(args)
     drafter = load_drafter(path, lm)
@@ -38,12 +77,16 @@ def main() -> None:
     generate(lm.model, lm.tokenizer, prompts[0][1], GenerationConfig(max_new_tokens=16))
 
     rows = []
+    chains: list[list[float]] = []  # per verification, the drafter's probability of each draft (--calibration)
     for i, (q, ids) in enumerate(prompts):
         out = {}
         order = ("spec",) if args.no_vanilla else ("spec", "vanilla") if i % 2 == 0 else ("vanilla", "spec")
         for which in order:
             if which == "spec":
-                out["spec"] = generate_chain(lm.model, lm.tokenizer, proposer_for(drafter), ids, cfg, draft_len=args.draft_len)
+                proposer = proposer_for(drafter)
+                if args.calibration:
+                    recording_probabilities(proposer, chains)
+                out["spec"] = generate_chain(lm.model, lm.tokenizer, proposer, ids, cfg, draft_len=args.draft_len)
             else:
                 out["vanilla"] = generate(lm.model, lm.tokenizer, ids, cfg)
         m, v = out["spec"], out.get("vanilla", out["spec"])
@@ -72,7 +115,13 @@ def main() -> None:
         van = sum(r["tokens"] for r in rs) / sum(r["vanilla_s"] for r in rs)
         summary[name].update({"vanilla_tokens_per_s": round(van, 2), "speedup": round(spec / van, 3), "greedy_mismatches": bad})
         print(f"{name:<11}{tau:>6.2f}{spec:>11.1f}{van:>9.1f}{spec / van:>9.2f}{bad:>10}")
-    specbench_script.write_results(args, summary=summary, rows=rows)
+    table = calibration(chains, [a for r in rows for a in r["accepted"]]) if args.calibration else None
+    if table:
+        print(f"\n{'draft probability':<19}{'drafts':>8}{'accepted':>10}")
+        for line in table:
+            accepted = "-" if line["accepted"] is None else f"{line['accepted']:.2f}"
+            print(f"{line['probability']:<19}{line['drafts']:>8}{accepted:>10}")
+    specbench_script.write_results(args, summary=summary, rows=rows, calibration=table)
 
 
 if __name__ == "__main__":
