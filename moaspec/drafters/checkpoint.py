@@ -74,6 +74,8 @@ def save_drafter(drafter: Drafter, path: str | Path, target: dict[str, Any], tra
 def read_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     cfg_file = path / "config.json"
+    if not path.exists():
+        raise DrafterError(f"drafter {path} does not exist")
     if not path.is_dir() or not cfg_file.is_file():
         raise DrafterError(f"{path} is not a drafter checkpoint (no config.json)")
     try:
