@@ -182,7 +182,7 @@ class RemoteTarget:
     def close(self, session: str) -> None:
         try:
             self._request("DELETE", f"/sessions/{session}", retries=0)
-        except (ServerUnreachable, MoaspecError):
+        except (ServerUnreachable, MoaspecError):  # unreachable, refused, or not answering as moaspec does
             pass  # it expires on its own
 
     def shutdown(self) -> None:
