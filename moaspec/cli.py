@@ -430,8 +430,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
-    if args.kind != "moa" and (args.tli_layers or args.sa_mlp or args.ca_mlp or args.lsa_width or args.lsa_mlp or args.no_lsa
-                                or args.memory_final):
+    moa_sizes = (args.sa_mlp, args.ca_mlp, args.lsa_width, args.lsa_mlp)
+    if args.kind != "moa" and (args.tli_layers or any(w is not None for w in moa_sizes) or args.no_lsa or args.memory_final):
         raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp, --no-lsa and --memory-final "
                            "apply to MoA drafters only")
     if args.lsa_width is not None and (args.lsa_width <= 0 or args.lsa_width % 64):

@@ -3,15 +3,40 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from moaspec.errors import MoaspecError
-from moaspec.training.datagen import DataConfig, generate_dataset, pre_query_prefix, read_shard, usable_query
+from moaspec.training.datagen import DataConfig, generate_dataset, pre_query_prefix, usable_query
+from moaspec.training.dataset import read_shard
 from tiny import accepting_gibberish
 
 CFG = DataConfig(examples=6, shard_size=8, batch_size=4, max_query_tokens=12, max_answer_tokens=10, multi_turn=0.5)
+
+
+# ways a data directory gets damaged (a crash, a full disk, an edit), each with what the error then says
+DAMAGE: dict[str, tuple[Callable[[Path, Path], object], str]] = {
+    "manifest empty": (lambda manifest, shard: manifest.write_text(""), "manifest.json is empty"),
+    "manifest not JSON": (lambda manifest, shard: manifest.write_text('{"identity": '), "manifest.json is not valid JSON"),
+    "manifest a list": (lambda manifest, shard: manifest.write_text("[]"), "manifest.json holds an array where an object"),
+    "shard not JSON": (lambda manifest, shard: shard.write_text("{bad\n"), "has changed since it was written"),
+    "shard missing": (lambda manifest, shard: shard.unlink(), "a shard its manifest.json lists, is missing"),
+    "shard emptied": (lambda manifest, shard: shard.write_text(""), "changed since it was written .* now holds 0 lines"),
+}
+
+
+def damage_data(out: Path, how: str) -> str:
+    """Damage the data directory ``out`` (its manifest, or a shard that has records) as ``how`` says; return the
+    pattern the error must match: the directory is named as damaged, with the file, the fault and the remedy."""
+    manifest = out / "manifest.json"
+    shard = out / next(s["file"] for s in json.loads(manifest.read_text())["shards"] if s["records"])
+    damage, says = DAMAGE[how]
+    damage(manifest, shard)
+    return f"the data directory {re.escape(str(out))} is damaged: .*{says}.*; remove the directory and run `moaspec data`"
 
 
 @pytest.fixture()
@@ -102,3 +127,23 @@ def test_other_settings_are_refused(tiny_llama, tmp_path: Path, permissive) -> N
     with pytest.raises(MoaspecError, match="other settings, another model"):
         generate_dataset(tiny_llama, tmp_path, DataConfig(**{**CFG.__dict__, "seed": 1}), progress=False)
     assert json.loads((tmp_path / "manifest.json").read_text())["identity"]["config"]["seed"] == 0
+
+
+@pytest.fixture(scope="module")
+def made(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    out = tmp_path_factory.mktemp("made") / "data"
+    with accepting_gibberish():
+        generate_dataset(tiny_llama, out, CFG, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_resuming_a_damaged_directory_says_what_is_damaged(tiny_llama, made: Path, tmp_path: Path, how: str,  # type: ignore[no-untyped-def]
+                                                         permissive) -> None:
+    out = tmp_path / "data"
+    shutil.copytree(made, out)
+    expected = damage_data(out, how)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(MoaspecError, match=expected):
+        generate_dataset(tiny_llama, out, CFG, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # left as it was found

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from moaspec.drafters.base import Drafter, DrafterConfig
-from moaspec.drafters.layers import DecoderLayer
+from moaspec.drafters.layers import DecoderLayer, check_widths
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
@@ -32,6 +32,7 @@ class EagleConfig(DrafterConfig):
     @classmethod
     def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "EagleConfig":
         """One decoder layer shaped like the target's own."""
+        check_widths(sizes, "mlp")
         defaults: dict[str, Any] = {"mlp": cfg.intermediate_size}
         defaults.update({k: v for k, v in sizes.items() if v is not None})
         return cls(**{**cls.target_fields(cfg), **defaults})

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from moaspec.drafters.base import Drafter, DrafterConfig
+from moaspec.drafters.layers import check_widths
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import hf_state_dict
@@ -35,6 +36,7 @@ class IndependentConfig(DrafterConfig):
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "IndependentConfig":
+        check_widths(sizes, "mlp")
         defaults: dict[str, Any] = {"mlp": cfg.intermediate_size}
         defaults.update({k: v for k, v in sizes.items() if v is not None})
         return cls(**{**cls.target_fields(cfg), **defaults})

@@ -10,12 +10,28 @@ into rotated keys and values, and ``attend`` runs the queries of ``x`` on them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moaspec.errors import MoaspecError
 from moaspec.models.packed_linear import Linear
 from moaspec.models.transformer import apply_rope, rms_norm
+
+
+def check_widths(sizes: Mapping[str, Any], *names: str) -> None:
+    """Refuse a layer width below 1 among the ``names`` a user gave in ``sizes`` (``sa_mlp`` is ``--sa-mlp``).
+
+    No width may be 0 (no drafter has a way to leave out an MLP): a 0-wide MLP is built
+    and then fails on its first forward pass, a negative one fails inside torch.
+    """
+    for name in names:
+        width = sizes.get(name)
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+            raise MoaspecError(f"--{name.replace('_', '-')} must be a whole number >= 1, got {width!r}")
 
 
 class RMSNorm(nn.Module):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from moaspec.drafters.base import Drafter, DrafterConfig
-from moaspec.drafters.layers import DecoderLayer, RMSNorm
+from moaspec.drafters.layers import DecoderLayer, RMSNorm, check_widths
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
@@ -61,6 +61,7 @@ class MoAConfig(DrafterConfig):
         ``sizes`` overrides any of these; a given ``lsa_width`` (a multiple of 64) sets
         LSA's heads and MLP from it.
         """
+        check_widths(sizes, "sa_mlp", "ca_mlp", "lsa_width", "lsa_mlp")
         lsa_width = sizes.get("lsa_width") or max(64, cfg.kv_dim // 64 * 64)  # a layer token is 2 · kv_dim wide
         if lsa_width % 64:
             raise ValueError(f"the LSA width must be a multiple of 64 (its heads are 64 wide), got {lsa_width}")

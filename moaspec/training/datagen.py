@@ -34,6 +34,7 @@ from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.progress import progress_bar
+from moaspec.training.dataset import read_manifest, shard_records
 
 # System messages that steer the model towards a task family when it writes a user prompt.
 TASKS: dict[str, str] = {
@@ -109,7 +110,7 @@ class DataWriter:
         self.out = out
         self.manifest_path = out / "manifest.json"
         if self.manifest_path.exists():
-            manifest = json.loads(self.manifest_path.read_text())
+            manifest = read_manifest(out)  # a damaged one is refused, naming the file
             if manifest["identity"] != identity:
                 raise MoaspecError(
                     f"{out} holds data made with other settings, another model or an older moaspec; "
@@ -120,10 +121,9 @@ class DataWriter:
             out.mkdir(parents=True, exist_ok=True)
             self.manifest = {"identity": identity, "shards": []}
         self.seen: set[str] = set()
-        for shard in self.manifest["shards"]:
-            for rec in read_shard(out / shard["file"]):
-                if rec["turn"] == 0:
-                    self.seen.add(normalise(rec["query"]))
+        for rec in shard_records(out, self.manifest["shards"]):
+            if rec["turn"] == 0:
+                self.seen.add(normalise(rec["query"]))
 
     @property
     def records(self) -> int:
@@ -143,10 +143,6 @@ class DataWriter:
             "sha256": hashlib.sha256(text.encode()).hexdigest(),
         })
         atomic_write_text(self.manifest_path, json.dumps(self.manifest, indent=1))
-
-
-def read_shard(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
 def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) -> list[dict[str, Any]]:

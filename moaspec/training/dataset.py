@@ -15,11 +15,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from moaspec.errors import MoaspecError
-from moaspec.training.datagen import read_shard
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -31,14 +33,102 @@ class Example:
     greedy: bool = False  # the answer is the target's greedy output (what real decoding is evaluated on)
 
 
-def read_manifest(data_dir: Path) -> dict:
-    manifest = data_dir / "manifest.json"
-    if not manifest.is_file():
+class DamagedFile(MoaspecError):
+    """A file that moaspec wrote itself (a manifest, a shard, a run's progress) is missing or no longer as written.
+
+    The message names the file and what is wrong with it; a caller that knows the remedy
+    (make the data set again, start the run afresh) catches it and adds that.
+    """
+
+
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "true or false", type(None): "null"}
+
+
+def read_json(path: Path, kind: type[T]) -> T:
+    """The JSON value in ``path``, which must be of type ``kind`` (``dict`` for an object).
+
+    A file cut short, emptied or edited by hand raises :class:`DamagedFile` naming it,
+    not the JSONDecodeError, or the TypeError of indexing a value of another type, that
+    would otherwise surface deep inside whatever reads it.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DamagedFile(f"{path} is missing") from None
+    except OSError as exc:
+        raise DamagedFile(f"{path} cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise DamagedFile(f"{path} is not valid JSON (not UTF-8 text)") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DamagedFile(f"{path} is empty" if not text.strip() else
+                          f"{path} is not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(value, kind):
+        raise DamagedFile(f"{path} holds {JSON_TYPES.get(type(value), type(value).__name__)} "
+                          f"where {JSON_TYPES[kind]} belongs")
+    return value
+
+
+def damaged_data(data_dir: Path, problem: DamagedFile | str) -> MoaspecError:
+    """The error for a data directory whose manifest or shards are not as `moaspec data` wrote them."""
+    return MoaspecError(f"the data directory {data_dir} is damaged: {problem}; "
+                        "remove the directory and run `moaspec data` again to start afresh")
+
+
+def read_manifest(data_dir: Path) -> dict[str, Any]:
+    """``data_dir``'s manifest.json, checked to hold what `moaspec data` writes: an identity and a shard list."""
+    path = data_dir / "manifest.json"
+    if not path.is_file():
         raise MoaspecError(f"{data_dir} holds no distillation data (no manifest.json); make some with `moaspec data`")
     try:
-        return json.loads(manifest.read_text())
-    except json.JSONDecodeError as exc:
-        raise MoaspecError(f"{manifest} is not valid JSON ({exc.msg})") from None
+        manifest = read_json(path, dict)
+    except DamagedFile as exc:
+        raise damaged_data(data_dir, exc) from None
+    shards = manifest.get("shards")
+    if not (isinstance(manifest.get("identity"), dict) and isinstance(shards, list)
+            and all(isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("records"), int)
+                    for s in shards)):
+        raise damaged_data(data_dir, f"{path} lacks the identity or the shard list that `moaspec data` writes")
+    return manifest
+
+
+def read_shard(path: Path, entry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The records of the shard at ``path``; with its manifest ``entry``, refuse content that is not what was written.
+
+    The manifest keeps each shard's sha256 (and record count). Hashing costs little
+    beside parsing, and catches a shard that was emptied, cut short or edited, which
+    would otherwise train on less or other data without a word.
+    """
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DamagedFile(f"{path}, a shard its manifest.json lists, is missing") from None
+    except OSError as exc:
+        raise DamagedFile(f"{path} cannot be read ({exc.strerror})") from None
+    if entry is not None and "sha256" in entry and hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+        lines = sum(1 for line in raw.splitlines() if line.strip())
+        how = (f"it held {entry['records']} records and now holds {lines} line{'s' * (lines != 1)}"
+               if lines != entry["records"] else "its sha256 is not the one manifest.json records")
+        raise DamagedFile(f"{path} has changed since it was written ({how})")
+    try:
+        records = [json.loads(line) for line in raw.decode("utf-8").splitlines() if line]
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise DamagedFile(f"{path} is not valid JSON lines") from None
+    if not all(isinstance(r, dict) for r in records):
+        raise DamagedFile(f"{path} holds lines that are not records (JSON objects)")
+    return records
+
+
+def shard_records(data_dir: Path, shards: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Every record of ``shards`` (manifest entries) of ``data_dir``, each shard checked against its entry."""
+    for shard in shards:
+        try:
+            records = read_shard(data_dir / shard["file"], shard)
+        except DamagedFile as exc:
+            raise damaged_data(data_dir, exc) from None
+        yield from records
 
 
 def held_out(record_id: str, fraction: float) -> bool:
@@ -56,20 +146,30 @@ def load_examples(data_dirs: Sequence[Path], model: str, max_len: int, val_fract
     """
     train: list[Example] = []
     val: list[Example] = []
+    answered = 0  # records with an answer
+    shortest: int | None = None  # the shortest prompt among them
     for source, data_dir in enumerate(data_dirs):
         manifest = read_manifest(data_dir)
-        if manifest["identity"]["model"] != model:
-            raise MoaspecError(f"{data_dir} was generated by another model (fingerprint {manifest['identity']['model']}); "
+        if manifest["identity"].get("model") != model:
+            raise MoaspecError(f"{data_dir} was generated by another model (fingerprint {manifest['identity'].get('model')}); "
                                f"the target loaded is {model}")
-        for shard in manifest["shards"][: None if max_shards is None else max_shards[source]]:
-            for rec in read_shard(data_dir / shard["file"]):
-                prompt, answer = rec["prompt_ids"], rec["answer_ids"]
-                if not answer or len(prompt) >= max_len - 1:
-                    continue
-                ex = Example(tuple((prompt + answer)[:max_len]), len(prompt), rec["id"], source, rec.get("sampling") == "greedy")
-                (val if held_out(rec["id"], val_fraction) else train).append(ex)
+        for rec in shard_records(data_dir, manifest["shards"][: None if max_shards is None else max_shards[source]]):
+            prompt, answer = rec["prompt_ids"], rec["answer_ids"]
+            if answer:
+                answered += 1
+                shortest = len(prompt) if shortest is None else min(shortest, len(prompt))
+            if not answer or len(prompt) >= max_len - 1:
+                continue
+            ex = Example(tuple((prompt + answer)[:max_len]), len(prompt), rec["id"], source, rec.get("sampling") == "greedy")
+            (val if held_out(rec["id"], val_fraction) else train).append(ex)
     if not train:
-        raise MoaspecError(f"{', '.join(map(str, data_dirs))}: no usable training examples yet")
+        where = ", ".join(map(str, data_dirs))
+        if shortest is not None and shortest >= max_len - 1:  # not a shortage of data: --max-len cuts every prompt
+            raise MoaspecError(f"{where}: every example is too long for --max-len {max_len} (the shortest prompt has "
+                               f"{shortest} tokens, and --max-len must leave room for it and 2 answer tokens); "
+                               f"pass --max-len {shortest + 2} or more")
+        raise MoaspecError(f"{where}: no usable training examples yet ({answered} answered records); "
+                           "let `moaspec data` write more")
     if not val:
         val, train = train[-1:], train[:-1] or train
     return train, val

@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import pickle
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -26,18 +27,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.checkpoint import kind_of, save_drafter, target_identity
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.progress import progress_bar
-from moaspec.training.dataset import (Batch, Example, batch_stream, collate, draft_vocabulary, load_examples, make_batches,
-                                      read_manifest)
+from moaspec.training.dataset import (Batch, DamagedFile, Example, batch_stream, collate, draft_vocabulary, load_examples,
+                                      make_batches, read_json, read_manifest)
 from moaspec.training.distill import (acceptance_by_offset, accepted_runs, build_masks, drafter_loss, full_argmax, simulate_chain,
                                       step_accuracy, step_matches)
 from moaspec.training.features import FeatureStore, TargetOut
@@ -77,6 +79,24 @@ class TrainConfig:
 def shard_counts(saved: dict[str, Any]) -> dict[int, list[int]]:
     """``epoch_shards`` as saved in progress.json; runs from before multi-directory data saved one count per epoch."""
     return {int(k): [int(v)] if isinstance(v, int) else [int(x) for x in v] for k, v in saved.items()}
+
+
+def read_progress(run: Path) -> dict[str, Any]:
+    """``run``'s progress.json, checked to hold what resuming or replaying the run reads.
+
+    Raises :class:`DamagedFile` naming the file and what is wrong with it.
+    """
+    path = run / "progress.json"
+    saved = read_json(path, dict)
+    numbers = all(isinstance(saved.get(k), (int, float)) for k in ("step", "tokens", "wall_s"))
+    try:
+        shard_counts(saved.get("epoch_shards", {}))
+        readable = numbers and isinstance(saved.get("config"), dict)
+    except (AttributeError, TypeError, ValueError):
+        readable = False
+    if not readable:
+        raise DamagedFile(f"{path} lacks the step, token, time, config or shard counts a run saves")
+    return saved
 
 
 def lr_lambda(cfg: TrainConfig):  # type: ignore[no-untyped-def]
@@ -199,11 +219,11 @@ class Trainer:
         from moaspec.drafters.checkpoint import load_drafter
 
         try:
-            progress = json.loads((run / "progress.json").read_text())
+            progress = read_progress(run)
             shards = shard_counts(progress["epoch_shards"])
-            ref_cfg = progress["config"]
-        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-            raise MoaspecError(f"--same-data-as {run}: not a training run directory with progress.json ({e})") from e
+        except (DamagedFile, KeyError) as e:
+            raise MoaspecError(f"--same-data-as {run}: not a training run directory with progress.json ({e})") from None
+        ref_cfg = progress["config"]
         for name in ("max_len", "tokens_per_batch", "seed", "val_fraction"):  # what else decides the batches
             if name in ref_cfg and ref_cfg[name] != getattr(self.cfg, name):
                 raise MoaspecError(f"--same-data-as {run} used --{name.replace('_', '-')} {ref_cfg[name]}; pass the same")
@@ -227,19 +247,36 @@ class Trainer:
         return self.out / "state"
 
     def _resume(self) -> None:
-        prog = self.out / "progress.json"
-        if not prog.is_file():
-            if self.acc.is_main_process:
-                self.out.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(self.out / "train_config.json", json.dumps(asdict(self.cfg), indent=1))
+        """Continue the run in ``out`` if it holds one (a progress.json); a fresh run writes nothing here.
+
+        Nothing goes into ``out`` before the first training step, so a run that fails
+        before it (too little data, a bad option) leaves no directory behind to be
+        mistaken for a run.
+        """
+        if self.out.exists() and not self.out.is_dir():
+            raise MoaspecError(f"--output {self.out} is a file; name a directory for the run")
+        if not (self.out / "progress.json").is_file():
             return
-        saved = json.loads(prog.read_text())
+        try:
+            saved = read_progress(self.out)
+        except DamagedFile as exc:
+            raise self._cannot_resume(str(exc)) from None
         # a setting added after the run began was then at its default
         if {**asdict(TrainConfig()), **saved["config"]} != asdict(self.cfg):
             raise MoaspecError(f"{self.out} holds a run with other settings; resume with the same options or choose a new --output")
-        self.acc.load_state(str(self.state_dir))
+        if not self.state_dir.is_dir():
+            raise self._cannot_resume(f"{self.state_dir}, its saved state, is missing")
+        try:
+            self.acc.load_state(str(self.state_dir))
+        except (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError) as exc:
+            raise self._cannot_resume(f"{self.state_dir}, its saved state, is damaged "
+                                      f"({type(exc).__name__}: {brief(exc, 160)})") from None
         self.step, self.tokens, self.wall = saved["step"], saved["tokens"], saved["wall_s"]
         self.epoch_shards = shard_counts(saved.get("epoch_shards", {}))
+
+    def _cannot_resume(self, problem: str) -> MoaspecError:
+        """The error for a run directory whose progress or saved state is damaged: only starting afresh helps."""
+        return MoaspecError(f"{self.out} cannot be resumed: {problem}; remove the directory (or pass another --output) to start afresh")
 
     def save(self, final: bool = False) -> None:
         """Save resumable state, then the exported drafter; both atomically (temp + rename)."""
@@ -248,6 +285,7 @@ class Trainer:
         if self.acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)  # before any process writes its RNG state into it
+            atomic_write_text(self.out / "train_config.json", json.dumps(asdict(self.cfg), indent=1))
         self.acc.wait_for_everyone()
         self.acc.save_state(str(tmp))
         self.acc.wait_for_everyone()
