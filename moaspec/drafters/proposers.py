@@ -29,11 +29,11 @@ class DrafterProposer:
     """Chain and tree drafting; subclasses implement the hooks below.
 
     ``confidence`` (0: off) ends a chain early: a draft after the first is proposed only
-    while the drafter gives it at least that probability. A trained drafter's
-    probability is close to the chance that the target accepts the draft (BENCHMARKS.md),
-    and on a CPU every verified token costs: long chains where the drafter is sure,
-    short ones where it guesses. The length depends on the drafter alone, never on the
-    target, so verification stays lossless.
+    while the drafter gives it at least that probability. The shipped drafter's
+    probability is close to the chance that the target accepts the draft, so this
+    skips verifying unlikely drafts; it pays only where a verified token costs more
+    than the extra drafting step the cut needs (not on this CPU: BENCHMARKS.md). The
+    length depends on the drafter alone, never on the target, so verification stays lossless.
     """
 
     drafter: Drafter
