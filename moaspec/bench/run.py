@@ -109,7 +109,7 @@ def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[
     run = {"methods": names, "max_new_tokens": max_new, "settings": settings or {},
            "questions": [[q.category, str(q.question_id)] for q in questions]}
     journal = Journal(output / "answers.partial.jsonl", run, "moaspec bench", f"{len(questions)} questions")
-    resumed = sum(1 for i in range(len(questions)) if str(i) in journal.done)
+    resumed = len(journal.done)  # its keys are question indices: the header pins the questions
     warm = encode_chat(target.tokenizer, chat_messages("Say hello."))
     for m in names:
         methods[m](warm, 16)

@@ -253,8 +253,6 @@ class Trainer:
         before it (too little data, a bad option) leaves no directory behind to be
         mistaken for a run.
         """
-        if self.out.exists() and not self.out.is_dir():
-            raise MoaspecError(f"--output {self.out} is a file; name a directory for the run")
         if not (self.out / "progress.json").is_file():
             return
         try:
