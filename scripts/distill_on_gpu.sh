@@ -7,7 +7,8 @@
 #
 # Usage: scripts/distill_on_gpu.sh OUT [extra `moaspec train` options...]
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
-#        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final; moa-seg1, segments of 1;
+#        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final; moa-newest, MoA with
+#        --newest-entry; moa-seg1, segments of 1;
 #        moa-cont, the MoA drafter shipped for the default target continued at a lower learning rate),
 #        SHARD_SIZE (512),
 #        DATA_DTYPE (float32), MPS (0; 1 runs the processes under the CUDA Multi-Process Service, so
@@ -28,6 +29,7 @@ options() {  # the `moaspec train` options of a drafter name
         moa) echo --kind moa ;;
         eagle) echo --kind eagle ;;
         moa-final) echo --kind moa --memory-final ;;
+        moa-newest) echo --kind moa --newest-entry ;;
         moa-seg1) echo --kind moa --segment-min 1 --segment-max 1 ;;
         moa-cont) echo --kind moa --init-from "$SHIPPED" --lr 4e-4 --warmup 30 --no-staircase ;;
         *) return 1 ;;

@@ -23,27 +23,30 @@ from moaspec.training.features import target_pass
 from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
 
 
-def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: str = "lsa", reach: int = 15) -> MoADrafter:  # type: ignore[no-untyped-def]
+def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: str = "lsa", reach: int = 15,  # type: ignore[no-untyped-def]
+                 newest: bool = False) -> MoADrafter:
     torch.manual_seed(seed)
     d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
-                                        ca_reach=reach))
-    if d.final_proj is not None:  # it starts at zero, which would hide the final state's path from the test
-        torch.nn.init.normal_(d.final_proj.weight, std=0.05)
+                                        ca_reach=reach, newest_entry=newest))
+    for proj in (d.final_proj, d.newest_proj):  # they start at zero, which would hide their paths from the tests
+        if proj is not None:
+            torch.nn.init.normal_(proj.weight, std=0.05)
     if vocab:
         d.set_draft_vocab(torch.randperm(loaded.cfg.vocab_size)[:vocab].sort().values)
     d.attach(loaded.model)
     return d.eval()
 
 
-@pytest.mark.parametrize("tli, together, memory, reach", [
-    (0, False, "lsa", 15), (1, False, "lsa", 15), (2, False, "lsa", 15), (1, True, "lsa", 15), (2, True, "lsa", 15),
-    (0, False, "last-layer", 15), (1, True, "lsa+final", 15),
-    (0, False, "lsa", 4), (1, True, "lsa", 4),  # a segment longer than Cross-Attention's reach
+@pytest.mark.parametrize("tli, together, memory, reach, newest", [
+    (0, False, "lsa", 15, False), (1, False, "lsa", 15, False), (2, False, "lsa", 15, False), (1, True, "lsa", 15, False),
+    (2, True, "lsa", 15, False), (0, False, "last-layer", 15, False), (1, True, "lsa+final", 15, False),
+    (0, False, "lsa", 4, False), (1, True, "lsa", 4, False),  # a segment longer than Cross-Attention's reach
+    (0, False, "lsa", 15, True), (1, True, "lsa", 4, True),  # CA's input carries the newest entry
 ])
 def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool, memory: str,  # type: ignore[no-untyped-def]
-                                                            reach: int) -> None:
+                                                            reach: int, newest: bool) -> None:
     """Drafting after a verification at position p sees exactly what training shows a segment starting at p."""
-    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory, reach=reach)
+    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory, reach=reach, newest=newest)
     target = tiny_llama.model
     S, p = 24, 9
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
@@ -90,7 +93,7 @@ def test_cross_attention_reach_bounds_the_query_to_memory_distance(tiny_llama) -
     with torch.no_grad():
         k, v = near.ca.attn.keys_values(memory, *near.rope(torch.arange(6)))
         def predict(d: MoADrafter, position: int) -> torch.Tensor:
-            return d.predict(s, torch.tensor([position]), 5, k, v, None)
+            return d.predict(s, torch.tensor([position]), 5, k, v, None, None)
         torch.testing.assert_close(predict(near, 8), predict(far, 8))  # 3 past the newest entry (5): within
         torch.testing.assert_close(predict(near, 40), predict(far, 8))  # 35 past it: read as if 3 past
         assert not torch.allclose(predict(far, 40), predict(far, 8))
@@ -226,11 +229,12 @@ def test_batched_training_masks_equal_each_sequences_own() -> None:
         assert not masks.sa[b, :n, n:].any() and not masks.ca[b, :n, n:].any()  # padding is never attended
 
 
-@pytest.mark.parametrize("tli,vocab,seed", [(0, 0, 0), (0, 64, 1), (1, 0, 2), (2, 0, 3)])
-def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, tli: int, vocab: int, seed: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tli,vocab,seed,newest", [(0, 0, 0, False), (0, 64, 1, False), (1, 0, 2, False), (2, 0, 3, False),
+                                                    (0, 0, 4, True)])
+def test_replayed_cycles_equal_real_chain_decoding(tiny_llama, tli: int, vocab: int, seed: int, newest: bool) -> None:  # type: ignore[no-untyped-def]
     """accepted_runs + simulate_chain (the held-out val_tau_decode) accept, cycle for cycle, what greedy chain-6 decoding
     accepts; step 0 of step_matches says which cycles accepted their first draft (val_first_draft)."""
-    drafter = make_drafter(tiny_llama, tli=tli, vocab=vocab, seed=seed)
+    drafter = make_drafter(tiny_llama, tli=tli, vocab=vocab, seed=seed, newest=newest)
     prompt = torch.randint(3, tiny_llama.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
     res = generate_chain(tiny_llama.model, tiny_llama.tokenizer, proposer_for(drafter), prompt,
                          GenerationConfig(max_new_tokens=40), draft_len=6)

@@ -46,11 +46,13 @@ class OracleProposer:
         pass
 
 
-def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa") -> MoAProposer:  # type: ignore[no-untyped-def]
+def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa", newest: bool = False) -> MoAProposer:  # type: ignore[no-untyped-def]
     torch.manual_seed(3)
-    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory))
-    if d.final_proj is not None:  # it starts at zero, which would leave the final state unread
-        torch.nn.init.normal_(d.final_proj.weight, std=0.05)
+    d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
+                                        newest_entry=newest))
+    for proj in (d.final_proj, d.newest_proj):  # they start at zero, which would leave their inputs unread
+        if proj is not None:
+            torch.nn.init.normal_(proj.weight, std=0.05)
     if vocab:
         d.set_draft_vocab(torch.arange(vocab))
     d.attach(loaded.model)
@@ -79,7 +81,8 @@ def independent_proposer(loaded, vocab: int = 0, layers: int = 1) -> Independent
 PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 
 
-@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "eagle",
+@pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest",
+                                  "eagle",
                                   "independent", "independent-whole"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
@@ -94,6 +97,7 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "independent-whole": lambda: independent_proposer(tiny_llama, layers=tiny_llama.cfg.num_layers),
             "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
             "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
+            "moa-newest": lambda: moa_proposer(tiny_llama, newest=True),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)

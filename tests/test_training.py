@@ -87,6 +87,7 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
     (dict(), {"memory_source": "last-layer"}),  # the ablation without LSA
     (dict(tli_layers=1), {"memory_source": "lsa+final"}),  # LSA plus the final state
     (dict(), {"lsa_width": 128}),  # LSA wider than the default
+    (dict(tli_layers=1), {"newest_entry": True}),  # CA's input carries the newest memory entry
 ])
 def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes) -> None:  # type: ignore[no-untyped-def]
     from moaspec.drafters.checkpoint import load_drafter
@@ -98,6 +99,7 @@ def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes)
     drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
     assert drafter.cfg.tli_layers == cfg.get("tli_layers", 0)
     assert drafter.cfg.memory_source == (sizes or {}).get("memory_source", "lsa")
+    assert drafter.cfg.newest_entry == (sizes or {}).get("newest_entry", False)
     if sizes and "lsa_width" in sizes:
         assert (drafter.cfg.lsa_width, drafter.cfg.lsa_heads) == (128, 2)
 
@@ -389,6 +391,34 @@ def test_warm_start_may_add_the_final_state_to_the_memory(tiny_llama, tiny_data:
     with pytest.raises(MoaspecError, match="cannot continue as one with 'lsa'"):
         Trainer(tiny_llama, tiny_data, tmp_path / "back", small(steps=1, init_from=str(tmp_path / "final" / "drafter")),
                 {"memory_source": "lsa"}, progress=False)
+
+
+def test_warm_start_may_add_the_newest_entry_to_cross_attention(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A plain MoA drafter gains the newest entry's projection at zero: it predicts exactly as before until training
+    moves it; a drafter that learnt to read it cannot drop it."""
+    from moaspec.drafters.checkpoint import load_drafter
+    from moaspec.training.masks import cross_attention_mask
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "plain", small(steps=2), progress=False).train()
+    first = load_drafter(tmp_path / "plain" / "drafter", tiny_llama)
+    t = Trainer(tiny_llama, tiny_data, tmp_path / "newest", small(steps=4, init_from=str(tmp_path / "plain" / "drafter")),
+                {"newest_entry": True}, progress=False)
+    assert t.raw.cfg.newest_entry and not t.raw.newest_proj.weight.any()
+    S = 12
+    tokens = torch.arange(S)[None] + 3
+    cache = tiny_llama.model.new_cache(S)
+    final = tiny_llama.model(tokens, cache).hidden
+    starts = torch.tensor([0, 0, 0, 0, 4, 4, 4, 7, 7, 7, 7, 11])
+    sa, ca = torch.ones(S, S, dtype=torch.bool).tril()[None], cross_attention_mask(starts, 4)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(t.raw(tokens, cache.token_kv(0, S), final, sa, ca),
+                                   first(tokens, cache.token_kv(0, S), final, sa, ca).float())
+    t.train()
+    trained = load_drafter(tmp_path / "newest" / "drafter", tiny_llama)
+    assert trained.cfg.newest_entry and trained.newest_proj.weight.any()
+    with pytest.raises(MoaspecError, match="cannot continue as one that does not"):
+        Trainer(tiny_llama, tiny_data, tmp_path / "back", small(steps=1, init_from=str(tmp_path / "newest" / "drafter")),
+                {"newest_entry": False}, progress=False)
 
 
 def test_independent_training_starts_from_the_target_and_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

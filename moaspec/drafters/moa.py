@@ -5,6 +5,7 @@ Data flow for one drafted position ``j``::
     target K/V of every layer, per verified token i ──LSA──► mean over layers ──proj──► memory[i]
     (optional, beyond the paper: + a projection of the target's final state of token i)
     token embeddings x_0..x_j ──SA (causal, own cache)──► s_j
+    (optional, beyond the paper: s_j += a projection of memory[n], the newest entry position j may read)
     s_j ──CA over memory[i], i < start of the drafting cycle──► f_j
     N = 0: f_j ≈ target's final hidden h_j      → lm_head → draft logits for x_{j+1}
     N > 0: f_j ≈ target's state after layer L−N → target's last N layers → final norm → lm_head
@@ -49,6 +50,7 @@ class MoAConfig(DrafterConfig):
     tli_layers: int = 0  # N: how many of the target's last layers run on the drafter's prediction
     memory_source: str = "lsa"  # one of MEMORY_SOURCES
     ca_reach: int = 15  # a CA query is rotated as if at most this many positions past the newest entry it reads
+    newest_entry: bool = False  # beyond the paper: CA's input also carries the newest memory entry it may read
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "MoAConfig":
@@ -89,11 +91,13 @@ class MoAState:
     """Per-sequence inference state: SA's cache of token K/V and CA's keys/values of the memory.
 
     ``sa.length`` tokens have SA entries (rolled back with the target's cache);
-    ``memory.length`` tokens are verified and in the memory (append-only).
+    ``memory.length`` tokens are verified and in the memory (append-only); ``latest``
+    is the newest of those entries, ``[1, 1, d]`` (read by drafters with ``newest_entry``).
     """
 
     sa: KVCache
     memory: KVCache
+    latest: torch.Tensor | None = None
 
 
 class MoADrafter(Drafter):
@@ -120,6 +124,15 @@ class MoADrafter(Drafter):
         lcos, lsin = rope_tables(cfg.lsa_head_dim, cfg.num_target_layers, 10000.0)
         self.register_buffer("layer_cos", lcos[None, None], persistent=False)
         self.register_buffer("layer_sin", lsin[None, None], persistent=False)
+        self.newest_proj: Linear | None = None
+        if cfg.newest_entry:
+            # EAGLE's first draft reads the target's state of the newest verified token in its residual stream;
+            # MoA's CA reads its memory as a summary and leaves that entry nearly unread (BENCHMARKS.md), so
+            # this hands it over directly. It is the same entry for every draft of a cycle: still T-step
+            # bounded. Zero at first, so a warm start drafts exactly as the drafter it starts from; made last,
+            # so that with the same seed every other weight starts as a plain drafter's.
+            self.newest_proj = Linear(d, d, bias=False)
+            torch.nn.init.zeros_(self.newest_proj.weight)
 
     def attach(self, target: Transformer, vocab_limit: int | None = None) -> None:
         held = target.cfg.num_layers - target.first_block
@@ -128,29 +141,36 @@ class MoADrafter(Drafter):
                              f"target holds {held} (a client bundle made for another drafter? export one for this one)")
         super().attach(target, vocab_limit)
 
-    def adapted(self, tli_layers: int | None = None, memory_source: str | None = None) -> "MoADrafter":
-        """A copy with another N or with the final state added to its memory: a warm start for training.
+    def adapted(self, tli_layers: int | None = None, memory_source: str | None = None,
+                newest_entry: bool | None = None) -> "MoADrafter":
+        """A copy with another N, with the final state added to its memory, or with the newest memory entry
+        added to CA's input: a warm start for training.
 
         LSA, SA and CA build the drafter's picture of the context and carry over
         unchanged. A new N changes only what CA's output is compared with (the target's
         final state for N = 0, its state after layer L−N otherwise), and with it the
         output norm, which exists only for N = 0 and then starts as the target's final
         norm. Going from "lsa" to "lsa+final" adds the final state's projection at zero,
-        so the copy drafts exactly as the original until training moves it.
+        and gaining ``newest_entry`` adds its projection at zero, so the copy drafts exactly
+        as the original until training moves it.
         Call on an attached drafter.
         """
         from dataclasses import replace
 
         target = self.target
         cfg = replace(self.cfg, tli_layers=self.cfg.tli_layers if tli_layers is None else tli_layers,
-                      memory_source=memory_source or self.cfg.memory_source)
+                      memory_source=memory_source or self.cfg.memory_source,
+                      newest_entry=self.cfg.newest_entry if newest_entry is None else newest_entry)
         cfg.check_target(target.cfg)
+        if self.cfg.newest_entry and not cfg.newest_entry:
+            raise ValueError("a drafter that reads the newest memory entry cannot continue as one that does not")
         if cfg.memory_source != self.cfg.memory_source and (self.cfg.memory_source, cfg.memory_source) != ("lsa", "lsa+final"):
             raise ValueError(f"a drafter with memory {self.cfg.memory_source!r} cannot continue as one with "
                              f"{cfg.memory_source!r} (only 'lsa' can gain the final state)")
         new = MoADrafter(cfg).to(device=self.lsa_proj.weight.device, dtype=self.weight_dtype)
         missing, unexpected = new.load_state_dict(self.state_dict(), strict=False)
-        assert {k.split(".")[0] for k in missing + unexpected} <= {"out_norm", "final_proj"}, (missing, unexpected)
+        assert {k.split(".")[0] for k in missing + unexpected} <= {"out_norm", "final_proj", "newest_proj"}, \
+            (missing, unexpected)
         if cfg.tli_layers != self.cfg.tli_layers:
             new.start_out_norm_from(target)
         new.attach(target)
@@ -197,8 +217,10 @@ class MoADrafter(Drafter):
         return self.memory(token_kv, final)[0]
 
     def predict(self, s: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor | int, mem_k: torch.Tensor,
-                mem_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                mem_v: torch.Tensor, mask: torch.Tensor | None, latest: torch.Tensor | None) -> torch.Tensor:
         """Cross-Attention from SA outputs at ``positions`` onto the memory: the predicted target state.
+
+        ``latest``: the newest entry each query may read, ``[B, Q or 1, d]`` (read with ``newest_entry``).
 
         ``newest``: the position of the newest memory entry each query may read. A query
         is rotated as if it stood at most ``ca_reach`` positions past it. Training's
@@ -210,6 +232,9 @@ class MoADrafter(Drafter):
         """
         limit = torch.as_tensor(newest + self.cfg.ca_reach, device=positions.device)
         cos, sin = self.rope(torch.minimum(positions, limit))
+        if self.newest_proj is not None:
+            assert latest is not None
+            s = s + self.newest_proj(latest)
         f = self.ca.cross_attention(s, cos, sin, mem_k, mem_v, mask)
         return self.out_norm(f) if self.out_norm is not None else f
 
@@ -244,9 +269,14 @@ class MoADrafter(Drafter):
         positions = torch.arange(S, device=tokens.device)
         cos, sin = self.rope(positions)
         s = self.sa.self_attention(self.target.embed(tokens).to(cos.dtype), cos, sin, sa_mask)
-        mem_k, mem_v = self.ca.attn.keys_values(self.memory(token_kv, final), cos, sin)
+        memory = self.memory(token_kv, final)
+        mem_k, mem_v = self.ca.attn.keys_values(memory, cos, sin)
         newest = ca_mask.sum(-1) - 1  # the masks are prefixes: each query reads the memory before a limit
-        return self.predict(s, positions, newest, mem_k, mem_v, ca_mask)
+        latest = None
+        if self.newest_proj is not None:  # a query that may read nothing (none in training's loss) gets zeros
+            index = newest.clamp(min=0)[..., None].expand(-1, -1, memory.shape[-1])
+            latest = memory.gather(1, index) * (newest >= 0)[..., None]
+        return self.predict(s, positions, newest, mem_k, mem_v, ca_mask, latest)
 
     # --- inference ----------------------------------------------------------------------
 
@@ -281,6 +311,7 @@ class MoADrafter(Drafter):
         state.memory.keys[0, :, :, start:end] = k
         state.memory.values[0, :, :, start:end] = v
         state.memory.length = end
+        state.latest = entries[None, -1:].to(self.weight_dtype)
 
     @torch.inference_mode()
     def step(self, state: MoAState, tokens: torch.Tensor, positions: torch.Tensor, sa_mask: torch.Tensor | None,
@@ -304,7 +335,7 @@ class MoADrafter(Drafter):
         state.sa.length = start + T
         n = state.memory.length
         mem_k, mem_v = state.memory.keys[0, :, :, :n], state.memory.values[0, :, :, :n]
-        f = self.predict(s[:, T - outputs :], positions[..., T - outputs :], n - 1, mem_k, mem_v, None)
+        f = self.predict(s[:, T - outputs :], positions[..., T - outputs :], n - 1, mem_k, mem_v, None, state.latest)
         if self.cfg.tli_layers:
             if target_cache is None:
                 raise ValueError("a drafter with Target Layer Inference needs the target's cache")

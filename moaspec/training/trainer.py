@@ -155,7 +155,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         drafter: Drafter
         if cfg.init_from:
-            drafter = self._warm_start(target, Path(cfg.init_from), (sizes or {}).get("memory_source"))
+            drafter = self._warm_start(target, Path(cfg.init_from), sizes or {})
         elif cfg.kind == "moa":
             # Cross-Attention's reach: the longest query-to-memory distance these segments show
             drafter = MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers, draft_vocab_size=cfg.draft_vocab,
@@ -188,11 +188,13 @@ class Trainer:
         self.step, self.tokens, self.wall = 0, 0, 0.0
         self._resume()
 
-    def _warm_start(self, target: LoadedModel, path: Path, memory_source: str | None) -> Drafter:
+    def _warm_start(self, target: LoadedModel, path: Path, sizes: dict[str, Any]) -> Drafter:
         """Continue from an exported drafter (its architecture and draft vocabulary), e.g. on more data.
 
-        A MoA drafter may change its N, or gain the final state in its memory (``memory_source``).
+        A MoA drafter may change its N, gain the final state in its memory (``sizes["memory_source"]``)
+        or start reading the newest memory entry (``sizes["newest_entry"]``); other sizes are its own.
         """
+        memory_source, newest_entry = sizes.get("memory_source"), sizes.get("newest_entry")
         from moaspec.drafters.checkpoint import load_drafter
 
         drafter = load_drafter(path, target)
@@ -202,9 +204,10 @@ class Trainer:
             raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size}; "
                                "pass the same --draft-vocab")
         if isinstance(drafter, MoADrafter) and (drafter.cfg.tli_layers != self.cfg.tli_layers
-                                                or memory_source not in (None, drafter.cfg.memory_source)):
+                                                or memory_source not in (None, drafter.cfg.memory_source)
+                                                or newest_entry not in (None, drafter.cfg.newest_entry)):
             try:  # e.g. try N = 1 from a trained N = 0
-                drafter = drafter.adapted(self.cfg.tli_layers, memory_source)
+                drafter = drafter.adapted(self.cfg.tli_layers, memory_source, newest_entry)
             except ValueError as e:
                 raise MoaspecError(f"--init-from {path}: {e}") from e
         return drafter.float().requires_grad_(True)
