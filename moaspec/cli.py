@@ -443,6 +443,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise MoaspecError(f"--lsa-width must be a positive multiple of 64 (LSA's heads are 64 wide), got {args.lsa_width}")
     if args.layers is not None and (args.kind != "independent" or not 1 <= args.layers < loaded.cfg.num_layers):
         raise MoaspecError(f"--layers applies to independent drafters and must be in 1..{loaded.cfg.num_layers - 1}")
+    if args.draft_vocab > loaded.cfg.vocab_size:
+        raise MoaspecError(f"--draft-vocab must be at most the target's vocabulary ({loaded.cfg.vocab_size}), "
+                           f"or 0 for all of it; got {args.draft_vocab}")
     sizes: dict[str, int | str | bool | None] = {}
     if args.kind == "moa":
         sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_width": args.lsa_width, "lsa_mlp": args.lsa_mlp,
