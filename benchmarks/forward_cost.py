@@ -1,7 +1,9 @@
 """Cost of one target forward by number of new tokens, packed vs plain linears, in one run.
 
 This is the curve that decides chain lengths and tree budgets: how much more a
-verification of T tokens costs than a single decoding step.
+verification of T tokens costs than a single decoding step. The table uses the 1-row
+padding as this process measured it; a last line times a 1-token forward with the
+padding forced off and on, alternately.
 
     .venv/bin/python benchmarks/forward_cost.py --context 200
 """
@@ -14,7 +16,7 @@ import time
 import torch
 
 from moaspec.models import load_model
-from moaspec.models.packed_linear import pack_linears
+from moaspec.models.packed_linear import PAD_ROWS, pack_linears, set_single_row_padding
 
 
 def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
@@ -58,6 +60,20 @@ def main() -> None:
         pack_linears(model)
         base = base or res[True]
         print(f"{T:>10}{res[True]:>11.1f}{res[False]:>10.1f}{res[False] / res[True]:>14.2f}{res[True] / base:>15.2f}")
+    toks = torch.randint(0, model.cfg.vocab_size, (1, 1), generator=gen)
+
+    def one() -> None:
+        cache.truncate(args.context)
+        model(toks, cache)
+
+    padded: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for pad in padded:
+            set_single_row_padding(pad)
+            padded[pad].append(median_ms(one, 1))
+    plain, pad = (sorted(v)[len(v) // 2] for v in padded.values())
+    print(f"1 new token, 1-row products padded to {PAD_ROWS} rows: {pad:.1f} ms against {plain:.1f} ms as is "
+          f"({pad / plain:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -235,3 +235,28 @@ def test_packed_linear_keeps_gradients(pairs) -> None:  # type: ignore[no-untype
     assert x.grad is not None and x.grad.abs().sum() > 0
     with torch.no_grad():
         torch.testing.assert_close(block.mlp(x), y, atol=1e-5, rtol=0)
+
+
+def test_single_row_padding_computes_what_the_unpadded_product_does(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A 1-row product padded to a few rows (faster on some CPUs) gives the same values and shapes; other rows
+    are untouched; and the first large pack measures whether to pad."""
+    from moaspec.models import packed_linear
+
+    lin = packed_linear.Linear(48, 40)
+    lin.pack()
+    if lin.packed is None:
+        pytest.skip("no oneDNN prepacking in this torch build")
+    previous = packed_linear.set_single_row_padding(True)
+    try:
+        with torch.no_grad():
+            for shape in [(48,), (1, 48), (1, 1, 48), (3, 48)]:
+                x = torch.randn(shape)
+                y = lin(x)
+                assert y.shape == (*shape[:-1], 40)
+                torch.testing.assert_close(y, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=0)
+        packed_linear.set_single_row_padding(None)
+        monkeypatch.setattr(packed_linear, "_MEASURE_BYTES", 0)
+        packed_linear.pack_linears(torch.nn.Sequential(lin))
+        assert isinstance(packed_linear._pad_single_row, bool)
+    finally:
+        packed_linear.set_single_row_padding(previous)
