@@ -501,9 +501,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0 or not 0 <= args.port < 65536 or args.session_ttl <= 0:
         raise MoaspecError("--max-queue must be >= 0, --port in 0..65535 and --session-ttl > 0")
     sock = listen(args.host, args.port)  # fail on a taken port before loading anything
-    loaded = _load(args)
     if not args.threads:  # share the cores between the parallel decoders instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parallel))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parallel))  # before loading: packing measures
+    loaded = _load(args)
     from moaspec.clientserver.sessions import Limits, SessionStore
     from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.moa import MoADrafter
