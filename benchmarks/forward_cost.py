@@ -19,14 +19,19 @@ from moaspec.models import load_model
 from moaspec.models.packed_linear import PAD_ROWS, pack_linears, set_single_row_padding
 
 
+def elapsed_ms(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1000
+    return median([elapsed_ms(fn) for _ in range(repeats)])
 
 
 def main() -> None:
@@ -67,11 +72,14 @@ def main() -> None:
         model(toks, cache)
 
     padded: dict[bool, list[float]] = {False: [], True: []}
+    for pad in padded:  # warm both paths once
+        set_single_row_padding(pad)
+        one()
     for _ in range(args.repeats):
         for pad in padded:
             set_single_row_padding(pad)
-            padded[pad].append(median_ms(one, 1))
-    plain, pad = (sorted(v)[len(v) // 2] for v in padded.values())
+            padded[pad].append(elapsed_ms(one))
+    plain, pad = (median(v) for v in padded.values())
     print(f"1 new token, 1-row products padded to {PAD_ROWS} rows: {pad:.1f} ms against {plain:.1f} ms as is "
           f"({pad / plain:.2f}x)")
 

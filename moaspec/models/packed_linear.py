@@ -18,6 +18,7 @@ process on the first large model packed (:func:`measure_single_row_padding`).
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -93,8 +94,7 @@ def measure_single_row_padding(linears: list[Linear], repeats: int = 3) -> bool:
         for _ in range(repeats):
             for rows, ts in times.items():
                 ts.append(one_pass(rows))
-    median = {rows: sorted(ts)[len(ts) // 2] for rows, ts in times.items()}
-    return median[PAD_ROWS] < 0.95 * median[1]
+    return statistics.median(times[PAD_ROWS]) < 0.95 * statistics.median(times[1])
 
 
 def pack_linears(module: nn.Module, enable: bool = True) -> None:
@@ -107,5 +107,5 @@ def pack_linears(module: nn.Module, enable: bool = True) -> None:
     for m in linears:
         m.pack() if enable else m.unpack()
     packed = [m for m in linears if m.packed is not None]
-    if _pad_single_row is None and sum(m.weight.numel() * 4 for m in packed) >= _MEASURE_BYTES:
+    if _pad_single_row is None and sum(m.weight.nbytes for m in packed) >= _MEASURE_BYTES:
         _pad_single_row = measure_single_row_padding(packed)
