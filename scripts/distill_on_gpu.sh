@@ -9,7 +9,9 @@
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
 #        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final; moa-newest, MoA with
 #        --newest-entry; moa-seg1, segments of 1;
-#        moa-cont, the MoA drafter shipped for the default target continued at a lower learning rate),
+#        moa-cont, the MoA drafter shipped for the default target continued at a lower learning rate;
+#        moa-cont-newest, the same with --newest-entry added; eagle-cont, the shipped EAGLE drafter
+#        continued like moa-cont, so both baselines get the same extra updates),
 #        SHARD_SIZE (512),
 #        DATA_DTYPE (float32), MPS (0; 1 runs the processes under the CUDA Multi-Process Service, so
 #        their small kernels share the GPU instead of taking turns: 1.3x on a launch-bound probe on one H100)
@@ -23,6 +25,7 @@ OUT=${1:?usage: $0 OUT [train options...]}; shift
 MODEL=${MODEL:-smollm2}; PROCS=${PROCS:-4}; DATA_S=${DATA_S:-300}; TRAIN_S=${TRAIN_S:-600}
 SHARD_SIZE=${SHARD_SIZE:-512}; DATA_DTYPE=${DATA_DTYPE:-float32}
 SHIPPED=$(dirname "$0")/../moaspec/assets/drafters/smollm2-135m-instruct-moa
+SHIPPED_EAGLE=$(dirname "$0")/../moaspec/assets/drafters/smollm2-135m-instruct-eagle
 read -r -a DRAFTERS <<< "${DRAFTERS:-moa eagle}"
 options() {  # the `moaspec train` options of a drafter name
     case $1 in
@@ -32,6 +35,8 @@ options() {  # the `moaspec train` options of a drafter name
         moa-newest) echo --kind moa --newest-entry ;;
         moa-seg1) echo --kind moa --segment-min 1 --segment-max 1 ;;
         moa-cont) echo --kind moa --init-from "$SHIPPED" --lr 4e-4 --warmup 30 --no-staircase ;;
+        moa-cont-newest) echo --kind moa --newest-entry --init-from "$SHIPPED" --lr 4e-4 --warmup 30 --no-staircase ;;
+        eagle-cont) echo --kind eagle --init-from "$SHIPPED_EAGLE" --lr 4e-4 --warmup 30 --no-staircase ;;
         *) return 1 ;;
     esac
 }
