@@ -3,7 +3,7 @@
 # DATA_S seconds (several `moaspec data` processes, each its own seed and directory), then
 # a MoA drafter and an EAGLE drafter (or the DRAFTERS listed) train side by side on exactly
 # the same batches for about TRAIN_S seconds. The number of updates comes from a 30-update
-# calibration of each, so the cosine schedule ends when the budget does.
+# calibration of each (timed from its 10th update on), so the cosine schedule ends when the budget does.
 #
 # Usage: scripts/distill_on_gpu.sh OUT [extra `moaspec train` options...]
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
@@ -70,10 +70,15 @@ for k in "${DRAFTERS[@]}"; do
         > "$OUT/cal-$k.log" 2>&1 &
 done
 wait
+# An update's cost is timed between the 10th and the 30th (train_log.csv logs every update's wall_s):
+# the whole run's average counts start-up and overestimated it 1.9x on an H100 (2026-11-25).
 STEPS=$(python3 -c "
-import json
-w = max(json.load(open(f'$OUT/cal-{k}/progress.json'))['wall_s'] for k in '${DRAFTERS[*]}'.split())
-print(max(100, int(0.88 * $TRAIN_S / (w / 30))))") || { echo "calibration failed: see $OUT/cal-*.log" >&2; exit 1; }
+import csv
+def cost(k):
+    wall = {int(r['step']): float(r['wall_s']) for r in csv.DictReader(open(f'$OUT/cal-{k}/train_log.csv'))}
+    return (wall[30] - wall[10]) / 20
+print(max(100, int(0.88 * $TRAIN_S / max(cost(k) for k in '${DRAFTERS[*]}'.split()))))") \
+    || { echo "calibration failed: see $OUT/cal-*.log" >&2; exit 1; }
 log "training: $STEPS updates each"
 for k in "${DRAFTERS[@]}"; do
     "${MOASPEC[@]}" train "${COMMON[@]}" $(options "$k") --output "$OUT/$k" --steps "$STEPS" --eval-every 250 --save-every 100 \
