@@ -23,7 +23,7 @@ from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
-from moaspec.drafters import load_drafter
+from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
@@ -54,10 +54,12 @@ def main() -> None:
                     help="a second drafter directory (default: the shipped EAGLE drafter beside the shipped MoA one)")
     args = ap.parse_args()
     lm, first = specbench_script.target_and_drafter_path(args)
-    second = args.compare or first.replace("-moa", "-eagle")
+    second = args.compare or shipped_drafter(lm, "eagle")
+    if second is None:
+        raise SystemExit("no EAGLE drafter ships for this target: name one with --compare")
     prompts = [encode_chat(lm.tokenizer, chat_messages(q.turns[0])) for q in load_questions(args.questions, args.per_file)]
     results = {}
-    for path in (first, second):
+    for path in (first, str(second)):
         strategy = Strategy(load_drafter(path, lm), tree=TreeShape())
         strategy.run(lm, prompts[0], GenerationConfig(max_new_tokens=16))  # warm-up
         totals: dict[str, list[float]] = defaultdict(list)

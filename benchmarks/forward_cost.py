@@ -11,6 +11,7 @@ padding forced off and on, alternately.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -25,13 +26,9 @@ def elapsed_ms(fn) -> float:  # type: ignore[no-untyped-def]
     return (time.perf_counter() - t0) * 1000
 
 
-def median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
 def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     fn()
-    return median([elapsed_ms(fn) for _ in range(repeats)])
+    return statistics.median_high([elapsed_ms(fn) for _ in range(repeats)])
 
 
 def main() -> None:
@@ -79,7 +76,7 @@ def main() -> None:
         for pad in padded:
             set_single_row_padding(pad)
             padded[pad].append(elapsed_ms(one))
-    plain, pad = (median(v) for v in padded.values())
+    plain, pad = (statistics.median_high(v) for v in padded.values())
     print(f"1 new token, 1-row products padded to {PAD_ROWS} rows: {pad:.1f} ms against {plain:.1f} ms as is "
           f"({pad / plain:.2f}x)")
 

@@ -24,8 +24,8 @@ set -uo pipefail
 OUT=${1:?usage: $0 OUT [train options...]}; shift
 MODEL=${MODEL:-smollm2}; PROCS=${PROCS:-4}; DATA_S=${DATA_S:-300}; TRAIN_S=${TRAIN_S:-600}
 SHARD_SIZE=${SHARD_SIZE:-512}; DATA_DTYPE=${DATA_DTYPE:-float32}
-SHIPPED=$(dirname "$0")/../moaspec/assets/drafters/smollm2-135m-instruct-moa
-SHIPPED_EAGLE=$(dirname "$0")/../moaspec/assets/drafters/smollm2-135m-instruct-eagle
+SHIPPED=$(dirname "$0")/../moaspec/assets/drafters/smollm2-135m-instruct  # -moa, -eagle
+CONTINUE="--lr 4e-4 --warmup 30 --no-staircase"  # continuing a shipped drafter
 read -r -a DRAFTERS <<< "${DRAFTERS:-moa eagle}"
 options() {  # the `moaspec train` options of a drafter name
     case $1 in
@@ -34,9 +34,9 @@ options() {  # the `moaspec train` options of a drafter name
         moa-final) echo --kind moa --memory-final ;;
         moa-newest) echo --kind moa --newest-entry ;;
         moa-seg1) echo --kind moa --segment-min 1 --segment-max 1 ;;
-        moa-cont) echo --kind moa --init-from "$SHIPPED" --lr 4e-4 --warmup 30 --no-staircase ;;
-        moa-cont-newest) echo --kind moa --newest-entry --init-from "$SHIPPED" --lr 4e-4 --warmup 30 --no-staircase ;;
-        eagle-cont) echo --kind eagle --init-from "$SHIPPED_EAGLE" --lr 4e-4 --warmup 30 --no-staircase ;;
+        moa-cont) echo --kind moa --init-from "$SHIPPED-moa" $CONTINUE ;;
+        moa-cont-newest) echo "$(options moa-cont)" --newest-entry ;;
+        eagle-cont) echo --kind eagle --init-from "$SHIPPED-eagle" $CONTINUE ;;
         *) return 1 ;;
     esac
 }
