@@ -6,7 +6,9 @@ this splits that cost into the drafter's two calls, timed by wrapping them: ``ob
 layer's K/V and the Cross-Attention memory entries; EAGLE has none) and ``step`` (one tree
 level: a draft forward and its head). Medians per call, since ``observe`` also takes in each
 prompt whole (in prefill, outside ``draft_s``). Greedy, the default tree, first turns of SpecBench;
-the drafters run one after the other on the same prompts, after a short warm-up each.
+the drafters run one after the other on the same prompts, after a short warm-up each, once per
+weight dtype in ``--dtypes`` (fp32 and bf16 by default: the precision a drafter drafts in is
+independent of the target's, see ``drafting_dtype``).
 
     .venv/bin/python benchmarks/draft_cost.py --threads 1 --per-file 2 --max-new-tokens 128
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import statistics
 import time
+
+import torch
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -52,15 +56,17 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--compare", default=None,
                     help="a second drafter directory (default: the shipped EAGLE drafter beside the shipped MoA one)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="the drafters' weight dtypes, each run in turn")
     args = ap.parse_args()
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     lm, first = specbench_script.target_and_drafter_path(args)
     second = args.compare or shipped_drafter(lm, "eagle")
     if second is None:
         raise SystemExit("no EAGLE drafter ships for this target: name one with --compare")
     prompts = [encode_chat(lm.tokenizer, chat_messages(q.turns[0])) for q in load_questions(args.questions, args.per_file)]
     results = {}
-    for path in (first, str(second)):
-        strategy = Strategy(load_drafter(path, lm), tree=TreeShape())
+    for path, dtype in ((p, d) for p in (first, str(second)) for d in dtypes):
+        strategy = Strategy(load_drafter(path, lm, dtype), tree=TreeShape())
         strategy.run(lm, prompts[0], GenerationConfig(max_new_tokens=16))  # warm-up
         totals: dict[str, list[float]] = defaultdict(list)
         timing(strategy.drafter, totals)
@@ -72,8 +78,9 @@ def main() -> None:
         for name, seconds in totals.items():
             row[f"{name}_calls_per_cycle"] = round(len(seconds) / cycles, 2)
             row[f"{name}_median_ms_per_call"] = round(1e3 * statistics.median(seconds), 2)
-        results[path] = row
-        print(path)
+        name = f"{path} {str(dtype).removeprefix('torch.')}"
+        results[name] = row
+        print(name)
         for key, value in row.items():
             print(f"  {key:28s} {value}")
     specbench_script.write_results(args, drafters=results)

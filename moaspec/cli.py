@@ -642,7 +642,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from moaspec.fileio import atomic_write_dir
 
     loaded = _load(args)
-    drafter = load_drafter(args.drafter, loaded)
+    drafter = load_drafter(args.drafter, loaded, loaded.model.dtype)  # the checkpoint's precision, not drafting's
     if not isinstance(drafter, IndependentDrafter):
         raise MoaspecError(f"{args.drafter} is not an independent drafter: only those are standalone language models")
     model = to_hf_llama(drafter)

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moaspec.drafters.checkpoint import DrafterError, load_drafter, save_drafter, target_identity
+from moaspec.drafters.checkpoint import DrafterError, drafting_dtype, load_drafter, save_drafter, target_identity
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
+from moaspec.models.packed_linear import bf16_kernels
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.speculative import generate_chain
 from moaspec.drafters.proposers import proposer_for
@@ -141,11 +142,23 @@ def test_checkpoint_round_trip(tiny_llama, tmp_path: Path) -> None:  # type: ign
     meta = json.loads((path / "config.json").read_text())
     assert meta["config"]["tli_layers"] == 1 and meta["config"]["draft_vocab_size"] == 100
     assert meta["target"]["fingerprint"] == tiny_llama.fingerprint and meta["training"] == {"steps": 3}
-    loaded = load_drafter(path, tiny_llama)
+    loaded = load_drafter(path, tiny_llama, torch.float32)
     torch.testing.assert_close(loaded.draft_vocab, drafter.draft_vocab)
     for (k, a), (_, b) in zip(sorted(loaded.state_dict().items()), sorted(drafter.state_dict().items())):
         torch.testing.assert_close(a, b, msg=k)
     assert not list(tmp_path.glob(".d.*")), "no temporary directory left behind"
+
+
+def test_drafters_load_in_the_drafting_dtype_with_one_fingerprint(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """By default a drafter drafts in bf16 beside an fp32 target on a CPU with bf16 kernels; the target keeps fp32,
+    and a client in one dtype and a server in another still agree on the drafter's identity."""
+    path = save_drafter(make_drafter(tiny_llama, vocab=100), tmp_path / "d", target_identity(tiny_llama), {})
+    default, exact = load_drafter(path, tiny_llama), load_drafter(path, tiny_llama, torch.float32)
+    want = torch.bfloat16 if bf16_kernels() else torch.float32
+    assert drafting_dtype(tiny_llama) == want and default.weight_dtype == want
+    assert default.head(torch.zeros(1, tiny_llama.cfg.hidden_size, dtype=want)).dtype == want  # the head came along
+    assert tiny_llama.model.dtype == torch.float32 and exact.weight_dtype == torch.float32
+    assert default.fingerprint() == exact.fingerprint()
 
 
 def test_fp16_checkpoint_is_half_the_size_and_close(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -153,7 +166,7 @@ def test_fp16_checkpoint_is_half_the_size_and_close(tiny_llama, tmp_path: Path) 
     full = save_drafter(drafter, tmp_path / "f32", target_identity(tiny_llama), dtype=torch.float32)
     half = save_drafter(drafter, tmp_path / "f16", target_identity(tiny_llama))
     assert (half / "model.safetensors").stat().st_size < 0.6 * (full / "model.safetensors").stat().st_size
-    back = load_drafter(half, tiny_llama)
+    back = load_drafter(half, tiny_llama, torch.float32)
     torch.testing.assert_close(back.sa.mlp.down.weight, drafter.sa.mlp.down.weight, atol=1e-3, rtol=1e-3)
 
 

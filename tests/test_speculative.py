@@ -46,10 +46,11 @@ class OracleProposer:
         pass
 
 
-def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa", newest: bool = False) -> MoAProposer:  # type: ignore[no-untyped-def]
+def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa", newest: bool = False,  # type: ignore[no-untyped-def]
+                 dtype: torch.dtype = torch.float32) -> MoAProposer:
     torch.manual_seed(3)
     d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
-                                        newest_entry=newest))
+                                        newest_entry=newest)).to(dtype)
     for proj in (d.final_proj, d.newest_proj):  # they start at zero, which would leave their inputs unread
         if proj is not None:
             torch.nn.init.normal_(proj.weight, std=0.05)
@@ -59,21 +60,23 @@ def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa", newe
     return MoAProposer(d.eval())
 
 
-def eagle_proposer(loaded, vocab: int = 0) -> EagleProposer:  # type: ignore[no-untyped-def]
+def eagle_proposer(loaded, vocab: int = 0, dtype: torch.dtype = torch.float32) -> EagleProposer:  # type: ignore[no-untyped-def]
     torch.manual_seed(4)
-    d = EagleDrafter(EagleConfig.for_target(loaded.cfg, draft_vocab_size=vocab))
+    d = EagleDrafter(EagleConfig.for_target(loaded.cfg, draft_vocab_size=vocab)).to(dtype)
     if vocab:
         d.set_draft_vocab(torch.arange(vocab))
     d.attach(loaded.model)
     return EagleProposer(d.eval())
 
 
-def independent_proposer(loaded, vocab: int = 0, layers: int = 1) -> IndependentProposer:  # type: ignore[no-untyped-def]
+def independent_proposer(loaded, vocab: int = 0, layers: int = 1,  # type: ignore[no-untyped-def]
+                          dtype: torch.dtype = torch.float32) -> IndependentProposer:
     """A drafter made of the target's first ``layers`` blocks; all of them makes it the target itself."""
     d = IndependentDrafter(IndependentConfig.for_target(loaded.cfg, draft_vocab_size=vocab, layers=layers))
     if vocab:
         d.set_draft_vocab(torch.arange(vocab))
     d.copy_target_layers(loaded.model)
+    d = d.to(dtype)
     d.attach(loaded.model)
     return IndependentProposer(d.eval())
 
@@ -83,7 +86,9 @@ PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 
 @pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest",
                                   "eagle",
-                                  "independent", "independent-whole"])
+                                  "independent", "independent-whole",
+                                  # drafting in bf16 beside the fp32 target (drafting_dtype on CPUs with bf16 kernels)
+                                  "moa-bf16", "moa-tli1-bf16", "eagle-bf16", "independent-bf16"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -98,6 +103,10 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
             "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
             "moa-newest": lambda: moa_proposer(tiny_llama, newest=True),
+            "moa-bf16": lambda: moa_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16),
+            "moa-tli1-bf16": lambda: moa_proposer(tiny_llama, tli=1, dtype=torch.bfloat16),
+            "eagle-bf16": lambda: eagle_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16),
+            "independent-bf16": lambda: independent_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)

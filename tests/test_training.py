@@ -340,7 +340,7 @@ def test_warm_start_from_an_exported_drafter(tiny_llama, tiny_data: Path, tmp_pa
     from moaspec.drafters.checkpoint import load_drafter
 
     Trainer(tiny_llama, tiny_data, tmp_path / "a", small(steps=10), progress=False).train()
-    first = load_drafter(tmp_path / "a" / "drafter", tiny_llama)
+    first = load_drafter(tmp_path / "a" / "drafter", tiny_llama, torch.float32)
     t = Trainer(tiny_llama, tiny_data, tmp_path / "b", small(steps=2, init_from=str(tmp_path / "a" / "drafter")), progress=False)
     for (k, a), (_, b) in zip(sorted(t.raw.state_dict().items()), sorted(first.state_dict().items())):
         torch.testing.assert_close(a, b.to(a.dtype), msg=k)  # starts exactly where the first run ended
@@ -355,7 +355,7 @@ def test_warm_start_may_change_the_tli_depth(tiny_llama, tiny_data: Path, tmp_pa
     from moaspec.drafters.checkpoint import load_drafter
 
     Trainer(tiny_llama, tiny_data, tmp_path / "n0", small(steps=4), progress=False).train()
-    first = load_drafter(tmp_path / "n0" / "drafter", tiny_llama).state_dict()
+    first = load_drafter(tmp_path / "n0" / "drafter", tiny_llama, torch.float32).state_dict()
     t = Trainer(tiny_llama, tiny_data, tmp_path / "n1", small(steps=4, tli_layers=1, init_from=str(tmp_path / "n0" / "drafter")),
                 progress=False)
     assert t.raw.cfg.tli_layers == 1 and t.raw.out_norm is None
@@ -377,7 +377,7 @@ def test_warm_start_may_add_the_final_state_to_the_memory(tiny_llama, tiny_data:
     from moaspec.drafters.checkpoint import load_drafter
 
     Trainer(tiny_llama, tiny_data, tmp_path / "lsa", small(steps=2), progress=False).train()
-    first = load_drafter(tmp_path / "lsa" / "drafter", tiny_llama)
+    first = load_drafter(tmp_path / "lsa" / "drafter", tiny_llama, torch.float32)
     t = Trainer(tiny_llama, tiny_data, tmp_path / "final", small(steps=4, init_from=str(tmp_path / "lsa" / "drafter")),
                 {"memory_source": "lsa+final"}, progress=False)
     assert t.raw.cfg.memory_source == "lsa+final" and not t.raw.final_proj.weight.any()
@@ -400,7 +400,7 @@ def test_warm_start_may_add_the_newest_entry_to_cross_attention(tiny_llama, tiny
     from moaspec.training.masks import cross_attention_mask
 
     Trainer(tiny_llama, tiny_data, tmp_path / "plain", small(steps=2), progress=False).train()
-    first = load_drafter(tmp_path / "plain" / "drafter", tiny_llama)
+    first = load_drafter(tmp_path / "plain" / "drafter", tiny_llama, torch.float32)
     t = Trainer(tiny_llama, tiny_data, tmp_path / "newest", small(steps=4, init_from=str(tmp_path / "plain" / "drafter")),
                 {"newest_entry": True}, progress=False)
     assert t.raw.cfg.newest_entry and not t.raw.newest_proj.weight.any()

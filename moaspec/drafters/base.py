@@ -88,7 +88,8 @@ class Drafter(nn.Module):
         self._borrowed: dict[str, Any] = {}
 
     def attach(self, target: Transformer, vocab_limit: int | None = None) -> None:
-        """Borrow the target's parts; the head is a copy of the draft-vocabulary rows of ``lm_head``.
+        """Borrow the target's parts; the head is a copy of the draft-vocabulary rows of ``lm_head``, in the
+        drafter's dtype.
 
         Call after moving both models to their device and dtype. The draft vocabulary is
         stored most frequent first, so ``vocab_limit`` keeps a smaller, faster head at
@@ -103,7 +104,7 @@ class Drafter(nn.Module):
                 self.draft_vocab = self.draft_vocab[:vocab_limit].clone()
             weight = weight.index_select(0, self.draft_vocab.to(weight.device))
         head = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        head.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        head.weight = nn.Parameter(weight.to(self.weight_dtype, copy=True), requires_grad=False)
         self._borrowed = {"target": target, "head": head}
         pack_linears(head, not self.training)
 
@@ -122,7 +123,7 @@ class Drafter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def fingerprint(self) -> str:
-        """Identity of the drafter's own weights (rounded to fp16, so any load dtype of one checkpoint agrees).
+        """Identity of the drafter's own weights (rounded to bf16, so any load dtype of one checkpoint agrees).
 
         A client and a server must hold the same MoA drafter: the server's LSA half makes
         the memory entries the client's CA half reads.
@@ -130,7 +131,7 @@ class Drafter(nn.Module):
         h = hashlib.sha256()
         for name, p in sorted(self.named_parameters()):
             h.update(name.encode())
-            h.update(p.detach().to(torch.float16).cpu().numpy().tobytes())
+            h.update(p.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
         return h.hexdigest()[:16]
 
     def head(self, features: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.loading import LoadedModel
+from moaspec.models.packed_linear import bf16_kernels
 
 FORMAT = "moaspec-drafter"
 VERSION = 1
@@ -99,8 +100,28 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
         )
 
 
-def load_drafter(path: str | Path, target: LoadedModel) -> Drafter:
-    """Load a drafter for ``target`` (refusing one made for another target), attached and in eval mode."""
+def drafting_dtype(target: LoadedModel) -> torch.dtype:
+    """The dtype a drafter runs in beside ``target`` at inference: bf16 on a CPU whose oneDNN has bf16 kernels,
+    the target's own dtype elsewhere.
+
+    A drafting step is memory-bound matrix–vector work over the drafter's weights, and
+    oneDNN's packed bf16 products stream half the bytes of fp32 ones (BENCHMARKS.md,
+    "Drafting in bf16 on the CPU"). The target keeps its dtype: its outputs are what
+    decoding reproduces, while a drafter only proposes, so its precision can change which
+    drafts are accepted but never the text.
+    """
+    model = target.model
+    if model.device.type == "cpu" and model.dtype == torch.float32 and bf16_kernels():
+        return torch.bfloat16
+    return model.dtype
+
+
+def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | None = None) -> Drafter:
+    """Load a drafter for ``target`` (refusing one made for another target), attached and in eval mode.
+
+    ``dtype``: its weights' dtype; ``None`` drafts in :func:`drafting_dtype`. Training and
+    exports pass the target's dtype, which keeps the checkpoint's precision.
+    """
     path = Path(path)
     meta = read_meta(path)
     check_target(meta, target, path)
@@ -117,7 +138,7 @@ def load_drafter(path: str | Path, target: LoadedModel) -> Drafter:
     except (SafetensorError, OSError) as exc:
         raise DrafterError(f"cannot read {path / 'model.safetensors'}: {exc}") from None
     model = target.model
-    drafter = drafter_cls(cfg).to(device=model.device, dtype=model.dtype)
+    drafter = drafter_cls(cfg).to(device=model.device, dtype=dtype or drafting_dtype(target))
     expected = drafter.state_dict()
     for k, v in state.items():
         if k in expected and v.is_floating_point():

@@ -250,9 +250,10 @@ class MoADrafter(Drafter):
         if cache.num_layers < self.cfg.tli_layers:
             raise ValueError(f"Target Layer Inference over {self.cfg.tli_layers} layers needs their caches; "
                              f"this cache holds {cache.num_layers}")
-        h, _ = target.run_blocks(state, cache, positions, mask, first=L - self.cfg.tli_layers,
+        # the target's layers run in its dtype, which a drafter drafting in bf16 beside an fp32 target does not share
+        h, _ = target.run_blocks(state.to(target.dtype), cache, positions, mask, first=L - self.cfg.tli_layers,
                                  cache_layer_offset=L - cache.num_layers)
-        return target.final_norm(h)
+        return target.final_norm(h).to(self.weight_dtype)
 
     # --- training -----------------------------------------------------------------------
 

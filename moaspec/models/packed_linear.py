@@ -30,13 +30,20 @@ _MEASURE_BYTES = 32 * 2**20  # smaller models fit in cache: their timings say no
 _pad_single_row: bool | None = None  # None: not measured yet (no padding)
 
 
+def bf16_kernels() -> bool:
+    """Whether this build's oneDNN has bf16 CPU kernels (AVX-512 or newer): packed bf16 weights then halve
+    the bytes a memory-bound product streams."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packing_supported(weight: torch.Tensor) -> bool:
-    """oneDNN prepacking exists for fp32 CPU tensors in builds with mkldnn."""
+    """oneDNN prepacking exists for fp32 CPU tensors in builds with mkldnn, and for bf16 ones where it has
+    bf16 kernels."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_kernels()))
     )
 
 
@@ -58,10 +65,11 @@ class Linear(nn.Linear):
         self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 activations only: under CPU autocast (bf16) F.linear casts as autocast wants
-        if (self.packed is not None and x.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type)
+        # activations of the weight's dtype only: under CPU autocast (bf16) F.linear casts as autocast wants
+        if (self.packed is not None and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type)
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            if _pad_single_row and x.numel() == self.in_features:
+            # the padding was measured on fp32 weights; oneDNN's bf16 1-row kernel is the faster one here
+            if _pad_single_row and x.dtype == torch.float32 and x.numel() == self.in_features:
                 padded = x.new_zeros(PAD_ROWS, self.in_features)
                 padded[0] = x.reshape(-1)
                 return _packed_product(padded, self.packed, self.bias)[:1].reshape(*x.shape[:-1], self.out_features)
@@ -98,7 +106,7 @@ def measure_single_row_padding(linears: list[Linear], repeats: int = 3) -> bool:
 
 
 def pack_linears(module: nn.Module, enable: bool = True) -> None:
-    """Prepack every :class:`Linear` inside ``module`` (a no-op off CPU/fp32); ``enable=False`` drops the packs.
+    """Prepack every :class:`Linear` inside ``module`` (a no-op off CPU, or for dtypes oneDNN cannot pack); ``enable=False`` drops the packs.
 
     The first time a module with at least 32 MB of packed weights is packed, the 1-row padding is measured
     on its weights and kept for the process."""
@@ -106,6 +114,6 @@ def pack_linears(module: nn.Module, enable: bool = True) -> None:
     linears = [m for m in module.modules() if isinstance(m, Linear)]
     for m in linears:
         m.pack() if enable else m.unpack()
-    packed = [m for m in linears if m.packed is not None]
+    packed = [m for m in linears if m.packed is not None and m.weight.dtype == torch.float32]
     if _pad_single_row is None and sum(m.weight.nbytes for m in packed) >= _MEASURE_BYTES:
         _pad_single_row = measure_single_row_padding(packed)

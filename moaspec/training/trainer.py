@@ -197,7 +197,7 @@ class Trainer:
         memory_source, newest_entry = sizes.get("memory_source"), sizes.get("newest_entry")
         from moaspec.drafters.checkpoint import load_drafter
 
-        drafter = load_drafter(path, target)
+        drafter = load_drafter(path, target, dtype=torch.float32)  # fp32 master weights, the checkpoint's bits kept
         if kind_of(drafter) != self.cfg.kind:
             raise MoaspecError(f"--init-from {path} is not a {self.cfg.kind} drafter")
         if drafter.cfg.draft_vocab_size != self.cfg.draft_vocab:
