@@ -37,6 +37,14 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "float32 on a GPU makes distillation data and features exactly as the CPU target sees them")
 
 
+def _add_drafter_dtype_option(p: argparse.ArgumentParser) -> None:
+    from moaspec.drafters.checkpoint import DTYPE_CHOICES
+
+    p.add_argument("--drafter-dtype", choices=DTYPE_CHOICES, default=None,
+                   help="the drafters' weights and activations (default 'auto': bf16 on CPUs with oneDNN bf16 kernels, "
+                        "else the target's dtype); never changes the text, only which drafts are accepted")
+
+
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -118,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lookup_option(g)
     g.add_argument("--show-drafts", action="store_true", help="colour the text that came from accepted drafts")
     _add_model_options(g)
+    _add_drafter_dtype_option(g)
     _add_generation_options(g)
 
     d = sub.add_parser("data", help="make a distillation set: prompts and answers written by the target itself (Magpie)")
@@ -213,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tree_options(s)
     _add_lookup_option(s)
     _add_model_options(s)
+    _add_drafter_dtype_option(s)
 
     c = sub.add_parser("client", help="draft here, verify on a `moaspec serve` server (keeps generating if it goes away)")
     c.add_argument("prompt", nargs="?", default=None, help="the user message ('-' reads it from stdin)")
@@ -241,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object (text, tau, server calls, bytes/token)")
     c.add_argument("--show-drafts", action="store_true", help="colour text from accepted drafts")
     _add_model_options(c)
+    _add_drafter_dtype_option(c)
 
     e = sub.add_parser("export-client", help="write what a client device needs: embeddings, drafter, tokenizer, and the last N layers for a TLI drafter (not the whole target)")
     e.add_argument("--output", required=True, help="directory for the bundle (written atomically)")
@@ -277,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--port", type=int, default=8790, help="port for the server this command starts")
     bc.add_argument("--no-progress", action="store_true")
     _add_model_options(bc)
+    _add_drafter_dtype_option(bc)
 
     b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
     b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
@@ -295,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tree_options(b)
     b.add_argument("--no-progress", action="store_true")
     _add_model_options(b)
+    _add_drafter_dtype_option(b)
     return parser
 
 
@@ -480,9 +493,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          pld_tokens=args.lookup,
                          tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total))
     methods = build_methods(names, loaded, opts)
-    settings = {k: v for k, v in vars(args).items() if k not in ("output", "no_progress")}
     summary = run_bench(loaded, questions, methods, args.max_new_tokens, Path(args.output), progress=not args.no_progress,
-                        settings=settings)
+                        settings=_bench_settings(args, loaded))
     print(table(summary))
     print(f"answers, summary.json and plots in {args.output}")
     return 0
@@ -704,7 +716,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
                            disconnect_after=args.disconnect_after,
                            continue_tokens=args.continue_tokens, port=args.port,
                            model_spec=args.model, drafter_path=str(path), more_moa=more, progress=not args.no_progress,
-                           settings={k: v for k, v in vars(args).items() if k not in ("output", "no_progress", "port")})
+                           settings=_bench_settings(args, loaded, "port"))
     print(table(summary))
     print(f"summary.json in {args.output}")
     return 0
@@ -726,6 +738,16 @@ def _check_output_dir(path: str) -> None:
         raise MoaspecError(f"--output {path} is a file; it must name a directory (new, or one this command wrote)")
 
 
+def _bench_settings(args: argparse.Namespace, loaded, *skip: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The options that shape a benchmark's methods, recorded in its summary (and checked when it resumes),
+    with the dtype the drafters actually ran in rather than "auto"."""
+    from moaspec.drafters.checkpoint import drafting_dtype
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "no_progress", *skip)}
+    settings["drafter_dtype"] = str(drafting_dtype(loaded)).removeprefix("torch.")
+    return settings
+
+
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import torch
 
@@ -733,6 +755,10 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "drafter_dtype", None):  # read where drafters load, here and in any server process started
+        from moaspec.drafters.checkpoint import DTYPE_VARIABLE
+
+        os.environ[DTYPE_VARIABLE] = args.drafter_dtype
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     return load_model(args.model, device=args.device, dtype=dtype)
 

@@ -58,6 +58,28 @@ def test_dtype_option_picks_the_targets_precision(tiny_dirs) -> None:  # type: i
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_drafter_dtype_option_reaches_every_drafter_load(tiny_dirs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``--drafter-dtype`` is carried by an environment variable, so that a server process a benchmark starts
+    drafts in the same precision; a bad value of the variable is a clear error, a bad option a parser error."""
+    import torch
+
+    from moaspec.cli import _load, build_parser
+    from moaspec.drafters.checkpoint import DTYPE_VARIABLE, drafting_dtype
+    from moaspec.errors import MoaspecError
+
+    monkeypatch.setenv(DTYPE_VARIABLE, "auto")  # restored after the test, whatever _load sets
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        args = build_parser().parse_args(["generate", "hi", "--model", str(tiny_dirs["llama"]), "--drafter-dtype", name])
+        loaded = _load(args)
+        assert os.environ[DTYPE_VARIABLE] == name and drafting_dtype(loaded) == dtype
+        assert loaded.model.dtype == torch.float32  # the target keeps its own
+    monkeypatch.setenv(DTYPE_VARIABLE, "float64")
+    with pytest.raises(MoaspecError, match="MOASPEC_DRAFTER_DTYPE='float64'"):
+        drafting_dtype(loaded)
+    proc = run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), "--drafter-dtype", "int8")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_generate_streams_and_matches_json(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     common = ("--model", str(tiny_dirs["qwen2"]), "--max-new-tokens", "12", "--temperature", "0.7", "--seed", "3")
     streamed = run_cli("generate", "hello", *common)

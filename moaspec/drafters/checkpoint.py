@@ -10,6 +10,7 @@ fingerprint differs: a drafter is only useful for the model it learnt from.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +101,13 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
         )
 
 
+DTYPE_VARIABLE = "MOASPEC_DRAFTER_DTYPE"  # what `--drafter-dtype` sets; processes it starts (servers) inherit it
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
 def drafting_dtype(target: LoadedModel) -> torch.dtype:
-    """The dtype a drafter runs in beside ``target`` at inference: bf16 on a CPU whose oneDNN has bf16 kernels,
-    the target's own dtype elsewhere.
+    """The dtype a drafter runs in beside ``target`` at inference: ``$MOASPEC_DRAFTER_DTYPE`` when set to
+    anything but "auto"; otherwise bf16 on a CPU whose oneDNN has bf16 kernels, the target's own dtype elsewhere.
 
     A drafting step is memory-bound matrix–vector work over the drafter's weights, and
     oneDNN's packed bf16 products stream half the bytes of fp32 ones (BENCHMARKS.md,
@@ -110,6 +115,11 @@ def drafting_dtype(target: LoadedModel) -> torch.dtype:
     decoding reproduces, while a drafter only proposes, so its precision can change which
     drafts are accepted but never the text.
     """
+    choice = os.environ.get(DTYPE_VARIABLE, "auto")
+    if choice not in DTYPE_CHOICES:
+        raise MoaspecError(f"{DTYPE_VARIABLE}={choice!r}: expected one of {', '.join(DTYPE_CHOICES)}")
+    if choice != "auto":
+        return getattr(torch, choice)
     model = target.model
     if model.device.type == "cpu" and model.dtype == torch.float32 and bf16_kernels():
         return torch.bfloat16

@@ -60,7 +60,14 @@ def usable_device(device: torch.device | str | None) -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU (this CPU has no fast half-precision units), bf16/fp16 on CUDA."""
+    """fp32 on CPU, bf16/fp16 on CUDA.
+
+    On a CPU fp32 is the precision the target's outputs are defined in here (a GGUF's
+    dequantised weights are exact in it, not in bf16), so decoding reproduces them; bf16
+    would halve a forward's bytes on CPUs with bf16 kernels but change the text (pass
+    ``--dtype bfloat16`` to choose that). Drafters, whose precision never changes the text,
+    draft in bf16 there (``drafting_dtype``).
+    """
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
