@@ -7,12 +7,15 @@ sweeps the drafter alone (chains, trees, draft vocabularies); ``--grid vocab`` t
 default decodings at smaller draft vocabularies; ``--grid lookup``
 sweeps prompt lookup's length alone, before chains of the drafter, and grafted onto
 its smallest tree; ``--grid ngram`` the shortest lookup match that counts; ``--grid
-confidence`` longer chains cut where the drafter's probability falls below a threshold.
+confidence`` longer chains cut where the drafter's probability falls below a threshold;
+``--grid dtype`` the default decodings with the drafter in its drafting dtype and in fp32.
 
     .venv/bin/python benchmarks/sweep.py --grid drafter --per-file 2 --max-new-tokens 128
 """
 
 from __future__ import annotations
+
+import torch
 
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
@@ -80,6 +83,18 @@ def vocab_grid(vocabs: dict[int, Drafter]) -> dict[str, Strategy]:
     return grid
 
 
+def dtype_grid(drafters: list[Drafter]) -> dict[str, Strategy]:
+    """The default decodings (chains of 2, the smallest tree, lookup before chains of 2) once per drafter copy,
+    labelled by the dtype it drafts in."""
+    grid = {}
+    for d in drafters:
+        dtype = str(d.weight_dtype).removeprefix("torch.")
+        grid[f"chain-2-{dtype}"] = Strategy(d, chain=2)
+        grid[f"tree-2x2-4-{dtype}"] = Strategy(d, tree=TreeShape(2, 2, 4))
+        grid[f"lookup-10+chain-2-{dtype}"] = Strategy(d, chain=2, lookup=10)
+    return grid
+
+
 GRIDS = {"lookup": lookup_grid, "ngram": ngram_grid, "confidence": confidence_grid}  # grids of the full drafter alone
 VOCAB_SIZES = [4096, 2048]
 
@@ -94,7 +109,7 @@ def smaller_vocabularies(path: str, lm: LoadedModel, full: Drafter, sizes: list[
 
 def main() -> None:
     ap = specbench_script.parser(__doc__, per_file=2)
-    ap.add_argument("--grid", choices=("drafter", "vocab", *GRIDS), default="drafter")
+    ap.add_argument("--grid", choices=("drafter", "vocab", "dtype", *GRIDS), default="drafter")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     lm, path = specbench_script.target_and_drafter_path(args)
@@ -105,6 +120,9 @@ def main() -> None:
     elif args.grid == "vocab":
         vocabs = {full.cfg.draft_vocab_size: full, **smaller_vocabularies(path, lm, full, VOCAB_SIZES)}
         configs = {"vanilla": Strategy(), **vocab_grid(vocabs)}
+    elif args.grid == "dtype":
+        exact = [load_drafter(path, lm, torch.float32)] if full.weight_dtype != torch.float32 else []
+        configs = {"vanilla": Strategy(), **dtype_grid([full, *exact])}
     else:
         configs = {"vanilla": Strategy(), **GRIDS[args.grid](full)}
 
