@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import statistics
 import time
-
-import torch
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
