@@ -100,8 +100,13 @@ def test_greedy_chain_and_tree_equal_vanilla_on_specbench(real_model, drafter) -
     assert accepted > 0
 
 
-def test_held_out_decode_replay_equals_real_chain_decoding(real_model, drafter) -> None:  # type: ignore[no-untyped-def]
-    """What training reports as val_tau_decode is, cycle for cycle, what greedy chain-6 decoding accepts."""
+def test_held_out_decode_replay_equals_real_chain_decoding(real_model) -> None:  # type: ignore[no-untyped-def]
+    """What training reports as val_tau_decode is, cycle for cycle, what greedy chain-6 decoding accepts.
+
+    Both in training's precision (fp32): a bf16 drafter rounds a teacher-forced pass and step-by-step
+    drafting differently, which flips near-ties (9 of 142 cycles on these prompts).
+    """
+    drafter = load_drafter(shipped_drafter(real_model), real_model, torch.float32)
     same = cycles = accepted = 0
     for text in FALLBACK_PROMPTS[:4]:
         ids = encode_chat(real_model.tokenizer, chat_messages(text))
