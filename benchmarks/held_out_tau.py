@@ -53,7 +53,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     lm = load_model(None, device="cpu")
-    drafter = load_drafter(args.drafter or shipped_drafter(lm), lm)
+    drafter = load_drafter(args.drafter or shipped_drafter(lm), lm, torch.float32)  # training's precision, as the replay
     moa = isinstance(drafter, MoADrafter)
     _, val = load_examples([Path(d) for d in args.data], lm.fingerprint, args.max_len, args.val_fraction)
     gen = torch.Generator().manual_seed(12345)

@@ -58,7 +58,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     lm = load_model(None, device="cpu")
-    drafter = load_drafter(args.drafter or shipped_drafter(lm), lm)
+    drafter = load_drafter(args.drafter or shipped_drafter(lm), lm, torch.float32)  # training's precision, as the replay
     if not isinstance(drafter, MoADrafter) or drafter.cfg.tli_layers:
         raise SystemExit("tau_consistency replays MoA drafters without Target Layer Inference")
     same = cycles_total = 0
