@@ -210,7 +210,7 @@ class Trainer:
                 drafter = drafter.adapted(self.cfg.tli_layers, memory_source, newest_entry)
             except ValueError as e:
                 raise MoaspecError(f"--init-from {path}: {e}") from e
-        return drafter.float().requires_grad_(True)
+        return drafter.requires_grad_(True)  # fp32 already: loaded so, and adapted() keeps the dtype
 
     def _reference_data(self, target: LoadedModel, run: Path) -> tuple[dict[int, int], torch.Tensor | None]:
         """The shards each epoch of ``run`` used, and its draft vocabulary.
