@@ -184,11 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extension beyond the paper: Cross-Attention's input also carries a projection of the newest "
                         "memory entry it may read, as EAGLE's first draft reads the newest verified state "
                         "(with --init-from a drafter without it: added at zero)")
+    t.add_argument("--derotate-keys", action="store_true",
+                   help="extension beyond the paper: Layer Self-Attention reads each layer's keys with their rotary "
+                        "position removed (the cache holds them rotated); with --init-from a drafter without it: "
+                        "an approximate warm start")
     t.add_argument("--layers", type=int, default=None,
                    help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
     t.add_argument("--init-from", default="",
                    help="start from this exported drafter (RUN/drafter) instead of random weights; "
-                        "a MoA one may change --tli-layers or add --memory-final or --newest-entry")
+                        "a MoA one may change --tli-layers or add --memory-final, --newest-entry or --derotate-keys")
     t.add_argument("--same-data-as", default="", metavar="RUN",
                    help="train on exactly the batches another run used (its shards per epoch and draft vocabulary): "
                         "a like-for-like comparison even after the data set grew")
@@ -449,9 +453,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
     moa_sizes = (args.sa_mlp, args.ca_mlp, args.lsa_width, args.lsa_mlp)
     if args.kind != "moa" and (args.tli_layers or any(w is not None for w in moa_sizes) or args.no_lsa or args.memory_final
-                               or args.newest_entry):
-        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp, --no-lsa, --memory-final and "
-                           "--newest-entry apply to MoA drafters only")
+                               or args.newest_entry or args.derotate_keys):
+        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp, --no-lsa, --memory-final, "
+                           "--newest-entry and --derotate-keys apply to MoA drafters only")
+    if args.no_lsa and args.derotate_keys:
+        raise MoaspecError("--derotate-keys changes Layer Self-Attention's input, which --no-lsa removes")
     if args.lsa_width is not None and (args.lsa_width <= 0 or args.lsa_width % 64):
         raise MoaspecError(f"--lsa-width must be a positive multiple of 64 (LSA's heads are 64 wide), got {args.lsa_width}")
     if args.layers is not None and (args.kind != "independent" or not 1 <= args.layers < loaded.cfg.num_layers):
@@ -463,7 +469,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.kind == "moa":
         sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_width": args.lsa_width, "lsa_mlp": args.lsa_mlp,
                  "memory_source": "last-layer" if args.no_lsa else "lsa+final" if args.memory_final else None,
-                 "newest_entry": True if args.newest_entry else None}
+                 "newest_entry": True if args.newest_entry else None,
+                 "derotate_keys": True if args.derotate_keys else None}
     elif args.kind == "independent":
         sizes = {"layers": args.layers}
     trainer = Trainer(loaded, [Path(d) for d in args.data], Path(args.output), cfg, sizes, progress=not args.no_progress)

@@ -8,9 +8,10 @@
 # Usage: scripts/distill_on_gpu.sh OUT [extra `moaspec train` options...]
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
 #        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final; moa-newest, MoA with
-#        --newest-entry; moa-seg1, segments of 1;
+#        --newest-entry; moa-derot, MoA with --derotate-keys; moa-seg1, segments of 1;
 #        moa-cont, the MoA drafter shipped for the default target continued at a lower learning rate;
-#        moa-cont-newest, the same with --newest-entry added; eagle-cont, the shipped EAGLE drafter
+#        moa-cont-newest, the same with --newest-entry added; moa-cont-derot, with --derotate-keys
+#        added (an approximate warm start); eagle-cont, the shipped EAGLE drafter
 #        continued like moa-cont, so both baselines get the same extra updates),
 #        SHARD_SIZE (512),
 #        DATA_DTYPE (float32), MPS (0; 1 runs the processes under the CUDA Multi-Process Service, so
@@ -33,9 +34,11 @@ options() {  # the `moaspec train` options of a drafter name
         eagle) echo --kind eagle ;;
         moa-final) echo --kind moa --memory-final ;;
         moa-newest) echo --kind moa --newest-entry ;;
+        moa-derot) echo --kind moa --derotate-keys ;;
         moa-seg1) echo --kind moa --segment-min 1 --segment-max 1 ;;
         moa-cont) echo --kind moa --init-from "$SHIPPED-moa" $CONTINUE ;;
         moa-cont-newest) echo "$(options moa-cont)" --newest-entry ;;
+        moa-cont-derot) echo "$(options moa-cont)" --derotate-keys ;;
         eagle-cont) echo --kind eagle --init-from "$SHIPPED-eagle" $CONTINUE ;;
         *) return 1 ;;
     esac

@@ -25,10 +25,10 @@ from moaspec.training.masks import cross_attention_mask, segment_starts, self_at
 
 
 def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: str = "lsa", reach: int = 15,  # type: ignore[no-untyped-def]
-                 newest: bool = False) -> MoADrafter:
+                 newest: bool = False, derotate: bool = False) -> MoADrafter:
     torch.manual_seed(seed)
     d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
-                                        ca_reach=reach, newest_entry=newest))
+                                        ca_reach=reach, newest_entry=newest, derotate_keys=derotate))
     for proj in (d.final_proj, d.newest_proj):  # they start at zero, which would hide their paths from the tests
         if proj is not None:
             torch.nn.init.normal_(proj.weight, std=0.05)
@@ -38,16 +38,18 @@ def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: st
     return d.eval()
 
 
-@pytest.mark.parametrize("tli, together, memory, reach, newest", [
-    (0, False, "lsa", 15, False), (1, False, "lsa", 15, False), (2, False, "lsa", 15, False), (1, True, "lsa", 15, False),
-    (2, True, "lsa", 15, False), (0, False, "last-layer", 15, False), (1, True, "lsa+final", 15, False),
-    (0, False, "lsa", 4, False), (1, True, "lsa", 4, False),  # a segment longer than Cross-Attention's reach
-    (0, False, "lsa", 15, True), (1, True, "lsa", 4, True),  # CA's input carries the newest entry
+@pytest.mark.parametrize("tli, together, memory, reach, newest, derotate", [
+    (0, False, "lsa", 15, False, False), (1, False, "lsa", 15, False, False), (2, False, "lsa", 15, False, False),
+    (1, True, "lsa", 15, False, False), (2, True, "lsa", 15, False, False), (0, False, "last-layer", 15, False, False),
+    (1, True, "lsa+final", 15, False, False),
+    (0, False, "lsa", 4, False, False), (1, True, "lsa", 4, False, False),  # a segment longer than CA's reach
+    (0, False, "lsa", 15, True, False), (1, True, "lsa", 4, True, False),  # CA's input carries the newest entry
+    (0, False, "lsa", 15, False, True), (1, True, "lsa+final", 15, False, True),  # LSA reads derotated keys
 ])
 def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool, memory: str,  # type: ignore[no-untyped-def]
-                                                            reach: int, newest: bool) -> None:
+                                                            reach: int, newest: bool, derotate: bool) -> None:
     """Drafting after a verification at position p sees exactly what training shows a segment starting at p."""
-    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory, reach=reach, newest=newest)
+    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory, reach=reach, newest=newest, derotate=derotate)
     target = tiny_llama.model
     S, p = 24, 9
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
@@ -113,6 +115,36 @@ def test_memory_grows_only_with_verified_tokens(tiny_llama) -> None:  # type: ig
     torch.testing.assert_close(state.memory.keys[0, :, :, :6], before)  # append-only: old entries untouched
     drafter.observe(state, cache, 8)  # nothing to forget
     assert state.memory.length == 10
+
+
+def test_derotated_keys_are_the_targets_keys_before_rope(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """LSA with ``derotate_keys`` reads ``W_k·x`` whatever the token's position; memory built in pieces equals memory
+    built at once (each piece derotated by its own positions)."""
+    from moaspec.models.transformer import rms_norm
+
+    drafter = make_drafter(tiny_llama, derotate=True)
+    target, cfg = tiny_llama.model, tiny_llama.cfg
+    tokens = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(5))
+    cache = target.new_cache(12)
+    target(tokens, cache)
+    kvd = cfg.kv_dim
+    block = target.blocks[0]
+    q_dim = cfg.num_heads * cfg.head_dim
+    expected = block.attn.qkv(rms_norm(target.embed(tokens), block.attn_norm, block.eps))[..., q_dim : q_dim + kvd]
+    rotated = cache.token_kv(0, 12)
+    derotated = drafter.derotated(rotated, torch.arange(12))
+    torch.testing.assert_close(derotated[:, :, 0, :kvd], expected, atol=1e-5, rtol=1e-5)  # layer 0's keys, unrotated
+    assert not torch.allclose(rotated[:, 1:, 0, :kvd], expected[:, 1:], atol=1e-3)  # the cache's keys are rotated
+    torch.testing.assert_close(derotated[..., kvd:], rotated[..., kvd:])  # values carry no rotation
+    state = drafter.new_state(16)
+    drafter.observe(state, cache, 5)
+    drafter.observe(state, cache, 12)
+    whole = drafter.new_state(16)
+    drafter.observe(whole, cache, 12)
+    torch.testing.assert_close(state.memory.keys[..., :12, :], whole.memory.keys[..., :12, :])
+    plain = make_drafter(tiny_llama)  # the same weights (same seed), reading rotated keys: another memory
+    assert not torch.allclose(plain.memory(rotated, None), drafter.memory(rotated, None))
+    assert plain.fingerprint() != drafter.fingerprint()  # a client and a server must not mix the two
 
 
 def test_default_drafter_is_under_ten_percent_of_smollm2() -> None:

@@ -88,6 +88,7 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
     (dict(tli_layers=1), {"memory_source": "lsa+final"}),  # LSA plus the final state
     (dict(), {"lsa_width": 128}),  # LSA wider than the default
     (dict(tli_layers=1), {"newest_entry": True}),  # CA's input carries the newest memory entry
+    (dict(), {"derotate_keys": True}),  # LSA reads keys without their rotation
 ])
 def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes) -> None:  # type: ignore[no-untyped-def]
     from moaspec.drafters.checkpoint import load_drafter
@@ -100,6 +101,7 @@ def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes)
     assert drafter.cfg.tli_layers == cfg.get("tli_layers", 0)
     assert drafter.cfg.memory_source == (sizes or {}).get("memory_source", "lsa")
     assert drafter.cfg.newest_entry == (sizes or {}).get("newest_entry", False)
+    assert drafter.cfg.derotate_keys == (sizes or {}).get("derotate_keys", False)
     if sizes and "lsa_width" in sizes:
         assert (drafter.cfg.lsa_width, drafter.cfg.lsa_heads) == (128, 2)
 
@@ -419,6 +421,23 @@ def test_warm_start_may_add_the_newest_entry_to_cross_attention(tiny_llama, tiny
     with pytest.raises(MoaspecError, match="cannot continue as one that does not"):
         Trainer(tiny_llama, tiny_data, tmp_path / "back", small(steps=1, init_from=str(tmp_path / "newest" / "drafter")),
                 {"newest_entry": False}, progress=False)
+
+
+def test_warm_start_may_derotate_lsa_keys_but_not_go_back(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A plain MoA drafter continues reading derotated keys with every weight carried over; back is refused."""
+    from moaspec.drafters.checkpoint import load_drafter
+
+    Trainer(tiny_llama, tiny_data, tmp_path / "plain", small(steps=2), progress=False).train()
+    first = load_drafter(tmp_path / "plain" / "drafter", tiny_llama, torch.float32)
+    t = Trainer(tiny_llama, tiny_data, tmp_path / "derot", small(steps=2, init_from=str(tmp_path / "plain" / "drafter")),
+                {"derotate_keys": True}, progress=False)
+    assert t.raw.cfg.derotate_keys
+    for (name, p), q in zip(t.raw.state_dict().items(), first.state_dict().values()):
+        torch.testing.assert_close(p.float(), q.float(), msg=name)
+    t.train()
+    with pytest.raises(MoaspecError, match="cannot continue as one that reads them rotated"):
+        Trainer(tiny_llama, tiny_data, tmp_path / "back", small(steps=1, init_from=str(tmp_path / "derot" / "drafter")),
+                {"derotate_keys": False}, progress=False)
 
 
 def test_independent_training_starts_from_the_target_and_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ borrowed by reference at :meth:`Drafter.attach`, never saved.
 from __future__ import annotations
 
 import hashlib
-
+import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
@@ -123,12 +123,14 @@ class Drafter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def fingerprint(self) -> str:
-        """Identity of the drafter's own weights (rounded to bf16, so any load dtype of one checkpoint agrees).
+        """Identity of the drafter: its architecture and its own weights (rounded to bf16, so any load dtype of
+        one checkpoint agrees).
 
         A client and a server must hold the same MoA drafter: the server's LSA half makes
-        the memory entries the client's CA half reads.
+        the memory entries the client's CA half reads. The same weights read differently
+        (keys derotated or not) are another drafter.
         """
-        h = hashlib.sha256()
+        h = hashlib.sha256(json.dumps(self.cfg.to_dict(), sort_keys=True).encode())
         for name, p in sorted(self.named_parameters()):
             h.update(name.encode())
             h.update(p.detach().to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())

@@ -28,7 +28,7 @@ from moaspec.drafters.layers import DecoderLayer, RMSNorm, check_widths
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
-from moaspec.models.transformer import Transformer, causal_mask, rope_tables
+from moaspec.models.transformer import Transformer, apply_rope, causal_mask, rope_tables
 
 
 # "lsa": the paper's memory; "last-layer": the target's final states instead (the ablation without LSA);
@@ -51,6 +51,7 @@ class MoAConfig(DrafterConfig):
     memory_source: str = "lsa"  # one of MEMORY_SOURCES
     ca_reach: int = 15  # a CA query is rotated as if at most this many positions past the newest entry it reads
     newest_entry: bool = False  # beyond the paper: CA's input also carries the newest memory entry it may read
+    derotate_keys: bool = False  # beyond the paper: LSA reads each layer's keys with their rotary position removed
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "MoAConfig":
@@ -82,6 +83,8 @@ class MoAConfig(DrafterConfig):
             raise ValueError(f"tli_layers must be in 0..{cfg.num_layers - 1}, got {self.tli_layers}")
         if self.memory_source not in MEMORY_SOURCES:
             raise ValueError(f"memory_source must be one of {', '.join(MEMORY_SOURCES)}, got {self.memory_source!r}")
+        if self.derotate_keys and self.memory_source == "last-layer":
+            raise ValueError("derotated keys are Layer Self-Attention's input, and a memory of last-layer states has no LSA")
         if self.ca_reach < 1:
             raise ValueError(f"ca_reach must be >= 1, got {self.ca_reach}")
 
@@ -142,9 +145,9 @@ class MoADrafter(Drafter):
         super().attach(target, vocab_limit)
 
     def adapted(self, tli_layers: int | None = None, memory_source: str | None = None,
-                newest_entry: bool | None = None) -> "MoADrafter":
-        """A copy with another N, with the final state added to its memory, or with the newest memory entry
-        added to CA's input: a warm start for training.
+                newest_entry: bool | None = None, derotate_keys: bool | None = None) -> "MoADrafter":
+        """A copy with another N, with the final state added to its memory, with the newest memory entry
+        added to CA's input, or reading keys without their rotation: a warm start for training.
 
         LSA, SA and CA build the drafter's picture of the context and carry over
         unchanged. A new N changes only what CA's output is compared with (the target's
@@ -152,7 +155,10 @@ class MoADrafter(Drafter):
         output norm, which exists only for N = 0 and then starts as the target's final
         norm. Going from "lsa" to "lsa+final" adds the final state's projection at zero,
         and gaining ``newest_entry`` adds its projection at zero, so the copy drafts exactly
-        as the original until training moves it.
+        as the original until training moves it. Gaining ``derotate_keys`` is the one change
+        that is not exact: LSA's input projection then reads keys it learnt on rotated, so
+        its slowly turning pairs (still nearly unrotated) carry over and the fast ones start
+        over.
         Call on an attached drafter.
         """
         from dataclasses import replace
@@ -160,10 +166,13 @@ class MoADrafter(Drafter):
         target = self.target
         cfg = replace(self.cfg, tli_layers=self.cfg.tli_layers if tli_layers is None else tli_layers,
                       memory_source=memory_source or self.cfg.memory_source,
-                      newest_entry=self.cfg.newest_entry if newest_entry is None else newest_entry)
+                      newest_entry=self.cfg.newest_entry if newest_entry is None else newest_entry,
+                      derotate_keys=self.cfg.derotate_keys if derotate_keys is None else derotate_keys)
         cfg.check_target(target.cfg)
         if self.cfg.newest_entry and not cfg.newest_entry:
             raise ValueError("a drafter that reads the newest memory entry cannot continue as one that does not")
+        if self.cfg.derotate_keys and not cfg.derotate_keys:
+            raise ValueError("a drafter that reads keys without their rotation cannot continue as one that reads them rotated")
         if cfg.memory_source != self.cfg.memory_source and (self.cfg.memory_source, cfg.memory_source) != ("lsa", "lsa+final"):
             raise ValueError(f"a drafter with memory {self.cfg.memory_source!r} cannot continue as one with "
                              f"{cfg.memory_source!r} (only 'lsa' can gain the final state)")
@@ -183,19 +192,24 @@ class MoADrafter(Drafter):
 
     # --- pieces shared by training and inference ----------------------------------------
 
-    def memory(self, token_kv: torch.Tensor | None, final: torch.Tensor | None) -> torch.Tensor:
+    def memory(self, token_kv: torch.Tensor | None, final: torch.Tensor | None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """Memory entries ``[B, T, d]`` of verified tokens.
 
         With LSA (the method), from ``token_kv``, every layer's K/V per token
         ``[B, T, L, kv_width]``, attended over the layer axis. The ablation without LSA
         reads ``final``, the target's final states ``[B, T, d]``, instead, as EAGLE does;
         "lsa+final" reads both. Each reads only what its memory source needs.
+        ``positions`` ``[T]``: the tokens' positions (default ``0..T-1``, as in training),
+        read by a drafter with ``derotate_keys``.
         """
         if not self.uses_lsa:
             assert final is not None
             return self.memory_norm(self.lsa_proj(final.to(self.weight_dtype)))
         assert token_kv is not None
         B, T, L, W = token_kv.shape
+        if self.cfg.derotate_keys:
+            token_kv = self.derotated(token_kv, torch.arange(T, device=token_kv.device) if positions is None else positions)
         x = self.lsa_in(token_kv.reshape(B * T, L, W).to(self.weight_dtype))
         x = self.lsa.self_attention(x, self.layer_cos, self.layer_sin, mask=None)
         x = self.lsa_proj(x.mean(dim=1)).view(B, T, -1)
@@ -203,6 +217,23 @@ class MoADrafter(Drafter):
             assert final is not None
             x = x + self.final_proj(final.to(self.weight_dtype))
         return self.memory_norm(x)
+
+    def derotated(self, token_kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``token_kv`` with every layer's keys rotated back from their token's rotary position.
+
+        The target's cache holds keys after RoPE (its attention consumes them so), so the
+        key half of a layer token is ``W_k·x`` turned by angles that grow with the
+        token's position: most of its pairs, the fast-turning ones, reach LSA scrambled
+        by where the token stands, and no position-blind linear map can read them. The
+        inverse rotation gives back ``W_k·x`` exactly (values carry no rotation). A linear
+        probe on the last layer's K/V shows the difference (BENCHMARKS.md, "Keys without
+        their rotation").
+        """
+        kvd, D = token_kv.shape[-1] // 2, self.cfg.head_dim
+        cos = self.rope_cos[positions].to(token_kv.dtype)[:, None, None]  # [T, 1, 1, D]: over layers and heads
+        sin = self.rope_sin[positions].to(token_kv.dtype)[:, None, None]
+        keys = apply_rope(token_kv[..., :kvd].unflatten(-1, (kvd // D, D)), cos, -sin)
+        return torch.cat([keys.flatten(-2), token_kv[..., kvd:]], dim=-1)
 
     def memory_entries(self, target_cache: KVCache, start: int, end: int, hidden: torch.Tensor | None) -> torch.Tensor:
         """Entries ``[end - start, d]`` for verified positions ``start..end-1`` from the target's cache and/or
@@ -214,7 +245,7 @@ class MoADrafter(Drafter):
                                  "states of the newly verified tokens")
             final = hidden[hidden.shape[0] - (end - start) :][None]
         token_kv = target_cache.token_kv(start, end) if self.uses_lsa else None
-        return self.memory(token_kv, final)[0]
+        return self.memory(token_kv, final, torch.arange(start, end, device=target_cache.keys.device))[0]
 
     def predict(self, s: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor | int, mem_k: torch.Tensor,
                 mem_v: torch.Tensor, mask: torch.Tensor | None, latest: torch.Tensor | None) -> torch.Tensor:
