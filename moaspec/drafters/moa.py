@@ -225,9 +225,9 @@ class MoADrafter(Drafter):
         key half of a layer token is ``W_k·x`` turned by angles that grow with the
         token's position: most of its pairs, the fast-turning ones, reach LSA scrambled
         by where the token stands, and no position-blind linear map can read them. The
-        inverse rotation gives back ``W_k·x`` exactly (values carry no rotation). A linear
-        probe on the last layer's K/V shows the difference (BENCHMARKS.md, "Keys without
-        their rotation").
+        inverse rotation gives back ``W_k·x`` exactly (values carry no rotation). Linear
+        probes find the rotated keys adding nothing to the values and the derotated ones a
+        little (BENCHMARKS.md, "Keys without their rotation").
         """
         kvd, D = token_kv.shape[-1] // 2, self.cfg.head_dim
         cos = self.rope_cos[positions].to(token_kv.dtype)[:, None, None]  # [T, 1, 1, D]: over layers and heads
