@@ -170,6 +170,7 @@ def test_data_from_a_model_that_writes_no_prompts_ends_with_an_error(tiny_dirs, 
 @pytest.mark.parametrize("opts,fragment", [(["--lsa-width", "100"], "--lsa-width"), (["--tli-layers", "99"], "--tli-layers"),
                                            (["--draft-vocab", "1000000000"], "at most the target's vocabulary"),
                                            (["--kind", "eagle", "--lsa-width", "128"], "MoA drafters only"),
+                                           (["--no-lsa", "--derotate-keys"], "which --no-lsa removes"),
                                            (["--segment-long-fraction", "0.2"], "--segment-long-max > --segment-max"),
                                            (["--segment-long-fraction", "1.5", "--segment-long-max", "40"], "[0, 1)")])
 def test_train_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  # type: ignore[no-untyped-def]

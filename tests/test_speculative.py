@@ -47,10 +47,10 @@ class OracleProposer:
 
 
 def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa", newest: bool = False,  # type: ignore[no-untyped-def]
-                 dtype: torch.dtype = torch.float32) -> MoAProposer:
+                 dtype: torch.dtype = torch.float32, derotate: bool = False) -> MoAProposer:
     torch.manual_seed(3)
     d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
-                                        newest_entry=newest)).to(dtype)
+                                        newest_entry=newest, derotate_keys=derotate)).to(dtype)
     for proj in (d.final_proj, d.newest_proj):  # they start at zero, which would leave their inputs unread
         if proj is not None:
             torch.nn.init.normal_(proj.weight, std=0.05)
@@ -85,10 +85,10 @@ PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 
 
 @pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest",
-                                  "eagle",
+                                  "moa-derot", "eagle",
                                   "independent", "independent-whole",
                                   # drafting in bf16 beside the fp32 target (drafting_dtype on CPUs with bf16 kernels)
-                                  "moa-bf16", "moa-tli1-bf16", "eagle-bf16", "independent-bf16"])
+                                  "moa-bf16", "moa-tli1-bf16", "moa-derot-bf16", "eagle-bf16", "independent-bf16"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -103,6 +103,8 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
             "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
             "moa-newest": lambda: moa_proposer(tiny_llama, newest=True),
+            "moa-derot": lambda: moa_proposer(tiny_llama, derotate=True),
+            "moa-derot-bf16": lambda: moa_proposer(tiny_llama, derotate=True, dtype=torch.bfloat16),
             "moa-bf16": lambda: moa_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16),
             "moa-tli1-bf16": lambda: moa_proposer(tiny_llama, tli=1, dtype=torch.bfloat16),
             "eagle-bf16": lambda: eagle_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16),
