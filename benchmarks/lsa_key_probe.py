@@ -10,7 +10,8 @@ embedding of token ``p+1`` (what a first draft also has) to the target's final s
 example) by R² and by how often the ``lm_head`` of the prediction has the target's own
 top-1 token. Feature sets: the target's final state of ``p`` (EAGLE's input), the last
 layer's K/V, every layer's K/V, each with keys as cached and derotated
-(:meth:`moaspec.drafters.moa.MoADrafter.derotated`), and every layer's values alone.
+(:meth:`moaspec.models.transformer.Transformer.unrotated_keys`, what a MoA drafter with
+``derotate_keys`` reads), and every layer's values alone.
 
     .venv/bin/python benchmarks/lsa_key_probe.py --data ~/.cache/moaspec/data/DIR --examples 200
 """
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.models import load_model
 from moaspec.training.dataset import load_examples
 from moaspec.training.features import target_pass
@@ -39,7 +39,6 @@ def main() -> None:
 
     lm = load_model(None, device="cpu")
     target, cfg = lm.model, lm.cfg
-    derotator = MoADrafter(MoAConfig.for_target(cfg, derotate_keys=True))  # only its rotary tables are used
     examples = load_examples([Path(d) for d in args.data], lm.fingerprint, 1024, 0.0)[0][: args.examples]
     kvd, L = cfg.kv_dim, cfg.num_layers
     sets: dict[str, list[torch.Tensor]] = {name: [] for name in (
@@ -53,7 +52,7 @@ def main() -> None:
         with torch.no_grad():
             out = target_pass(target, tokens, 0)
             kv = out.token_kv[0]  # [S, L, 2 kv_dim]
-            kv_de = derotator.derotated(out.token_kv, torch.arange(S))[0]
+            kv_de = target.unrotated_keys(out.token_kv, torch.arange(S))[0]
             p = torch.arange(ex.prompt_len, S - 1)  # verified token p; the first draft's input token p + 1
             for name, feats in zip(names, (out.final[0, p], kv[p, -1], kv_de[p, -1], kv[p].flatten(1),
                                            kv_de[p].flatten(1), kv[p, :, kvd:].flatten(1))):

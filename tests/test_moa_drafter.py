@@ -132,7 +132,7 @@ def test_derotated_keys_are_the_targets_keys_before_rope(tiny_llama) -> None:  #
     q_dim = cfg.num_heads * cfg.head_dim
     expected = block.attn.qkv(rms_norm(target.embed(tokens), block.attn_norm, block.eps))[..., q_dim : q_dim + kvd]
     rotated = cache.token_kv(0, 12)
-    derotated = drafter.derotated(rotated, torch.arange(12))
+    derotated = target.unrotated_keys(rotated, torch.arange(12))
     torch.testing.assert_close(derotated[:, :, 0, :kvd], expected, atol=1e-5, rtol=1e-5)  # layer 0's keys, unrotated
     assert not torch.allclose(rotated[:, 1:, 0, :kvd], expected[:, 1:], atol=1e-3)  # the cache's keys are rotated
     torch.testing.assert_close(derotated[..., kvd:], rotated[..., kvd:])  # values carry no rotation

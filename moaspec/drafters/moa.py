@@ -28,7 +28,7 @@ from moaspec.drafters.layers import DecoderLayer, RMSNorm, check_widths
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
-from moaspec.models.transformer import Transformer, apply_rope, causal_mask, rope_tables
+from moaspec.models.transformer import Transformer, causal_mask, rope_tables
 
 
 # "lsa": the paper's memory; "last-layer": the target's final states instead (the ablation without LSA);
@@ -208,8 +208,9 @@ class MoADrafter(Drafter):
             return self.memory_norm(self.lsa_proj(final.to(self.weight_dtype)))
         assert token_kv is not None
         B, T, L, W = token_kv.shape
-        if self.cfg.derotate_keys:
-            token_kv = self.derotated(token_kv, torch.arange(T, device=token_kv.device) if positions is None else positions)
+        if self.cfg.derotate_keys:  # rotated, the keys' fast-turning pairs read as noise (BENCHMARKS.md)
+            token_kv = self.target.unrotated_keys(token_kv, torch.arange(T, device=token_kv.device) if positions is None
+                                                  else positions)
         x = self.lsa_in(token_kv.reshape(B * T, L, W).to(self.weight_dtype))
         x = self.lsa.self_attention(x, self.layer_cos, self.layer_sin, mask=None)
         x = self.lsa_proj(x.mean(dim=1)).view(B, T, -1)
@@ -217,23 +218,6 @@ class MoADrafter(Drafter):
             assert final is not None
             x = x + self.final_proj(final.to(self.weight_dtype))
         return self.memory_norm(x)
-
-    def derotated(self, token_kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``token_kv`` with every layer's keys rotated back from their token's rotary position.
-
-        The target's cache holds keys after RoPE (its attention consumes them so), so the
-        key half of a layer token is ``W_k·x`` turned by angles that grow with the
-        token's position: most of its pairs, the fast-turning ones, reach LSA scrambled
-        by where the token stands, and no position-blind linear map can read them. The
-        inverse rotation gives back ``W_k·x`` exactly (values carry no rotation). Linear
-        probes find the rotated keys adding nothing to the values and the derotated ones a
-        little (BENCHMARKS.md, "Keys without their rotation").
-        """
-        kvd, D = token_kv.shape[-1] // 2, self.cfg.head_dim
-        cos = self.rope_cos[positions].to(token_kv.dtype)[:, None, None]  # [T, 1, 1, D]: over layers and heads
-        sin = self.rope_sin[positions].to(token_kv.dtype)[:, None, None]
-        keys = apply_rope(token_kv[..., :kvd].unflatten(-1, (kvd // D, D)), cos, -sin)
-        return torch.cat([keys.flatten(-2), token_kv[..., kvd:]], dim=-1)
 
     def memory_entries(self, target_cache: KVCache, start: int, end: int, hidden: torch.Tensor | None) -> torch.Tensor:
         """Entries ``[end - start, d]`` for verified positions ``start..end-1`` from the target's cache and/or

@@ -180,6 +180,20 @@ class Transformer(nn.Module):
         pos = positions if positions.dim() == 2 else positions[None]
         return (self.rope_cos[pos][:, None].to(self.dtype), self.rope_sin[pos][:, None].to(self.dtype))
 
+    def unrotated_keys(self, token_kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``token_kv`` (``[B, T, L, 2 · kv_dim]``, :meth:`KVCache.token_kv`'s layout) with every layer's keys
+        rotated back from their tokens' ``positions`` ``[T]``: ``W_k·x`` exactly, as before RoPE.
+
+        The cache holds keys after RoPE (attention consumes them so); a reader blind to
+        positions, like the MoA drafter's Layer Self-Attention, sees their fast-turning
+        pairs as noise. Values carry no rotation and pass unchanged.
+        """
+        kvd, D = self.cfg.kv_dim, self.cfg.head_dim
+        cos = self.rope_cos[positions].to(token_kv.dtype)[:, None, None]  # [T, 1, 1, D]: over layers and heads
+        sin = self.rope_sin[positions].to(token_kv.dtype)[:, None, None]
+        keys = apply_rope(token_kv[..., :kvd].unflatten(-1, (kvd // D, D)), cos, -sin)
+        return torch.cat([keys.flatten(-2), token_kv[..., kvd:]], dim=-1)
+
     def run_blocks(
         self,
         h: torch.Tensor,
