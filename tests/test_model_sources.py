@@ -1,0 +1,69 @@
+"""Where a GGUF model's converted copy lives: one per file content, not one per installation."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from moaspec.models import sources
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def digests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files whose bytes were hashed, in order."""
+    seen: list[str] = []
+    real = hashlib.file_digest
+
+    def counting(f, digest):  # type: ignore[no-untyped-def]
+        seen.append(Path(f.name).name)
+        return real(f, digest)
+
+    monkeypatch.setattr(sources.hashlib, "file_digest", counting)
+    return seen
+
+
+def _gguf(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_two_installations_of_one_file_share_its_conversion(tmp_path: Path, cache: Path, digests: list[str]) -> None:
+    first = _gguf(tmp_path / "venv1" / "m.gguf", b"GGUF" + bytes(range(256)) * 10)
+    second = _gguf(tmp_path / "venv2" / "m.gguf", first.read_bytes())
+    dest = sources._gguf_cache_dir(first)
+    assert dest.parent == cache / "models" and dest.name.startswith("m-")
+    assert sources._gguf_cache_dir(second) == dest
+    # a conversion made for the first is what the second resolves to, with nothing converted again
+    dest.mkdir(parents=True)
+    (dest / "moaspec-source.json").write_text("{}")
+    assert sources.resolve_model(str(second)) == dest
+
+
+def test_the_digest_is_computed_once_per_file_and_again_when_it_changes(
+        tmp_path: Path, cache: Path, digests: list[str]) -> None:
+    path = _gguf(tmp_path / "m.gguf", b"GGUF one")
+    dest = sources._gguf_cache_dir(path)
+    assert sources._gguf_cache_dir(path) == dest
+    assert digests == ["m.gguf"]  # the second lookup read the stamp
+    path.write_bytes(b"GGUF two, another model")
+    os.utime(path, ns=(1, 1))  # a changed file: other size and mtime
+    changed = sources._gguf_cache_dir(path)
+    assert changed != dest and len(digests) == 2
+
+
+def test_a_damaged_stamp_is_recomputed(tmp_path: Path, cache: Path, digests: list[str]) -> None:
+    path = _gguf(tmp_path / "m.gguf", b"GGUF bytes")
+    dest = sources._gguf_cache_dir(path)
+    (stamp,) = (cache / "models" / ".stamps").iterdir()
+    stamp.write_text("")
+    assert sources._gguf_cache_dir(path) == dest and len(digests) == 2
