@@ -11,7 +11,12 @@ example) by R² and by how often the ``lm_head`` of the prediction has the targe
 top-1 token. Feature sets: the target's final state of ``p`` (EAGLE's input), the last
 layer's K/V, every layer's K/V, each with keys as cached and derotated
 (:meth:`moaspec.models.transformer.Transformer.unrotated_keys`, what a MoA drafter with
-``derotate_keys`` reads), and every layer's values alone.
+``derotate_keys`` reads), every layer's values alone, and every layer's K/V averaged over
+the layers (what one shared projection followed by a mean over layers, LSA's frame
+without its attention, can at best keep linearly). With ``--drafter``, also a
+MoA drafter's own memory entries (what its Cross-Attention reads, made by its trained
+LSA): if they predict less than the raw K/V they were made from, LSA loses on the way
+what a first draft needs; if as much, the loss is in how Cross-Attention reads them.
 
     .venv/bin/python benchmarks/lsa_key_probe.py --data ~/.cache/moaspec/data/DIR --examples 200
 """
@@ -23,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from moaspec.drafters.checkpoint import load_drafter
+from moaspec.drafters.moa import MoADrafter
 from moaspec.models import load_model
 from moaspec.training.dataset import load_examples
 from moaspec.training.features import target_pass
@@ -33,6 +40,7 @@ def main() -> None:
     ap.add_argument("--data", nargs="+", required=True, help="`moaspec data` directories (never SpecBench)")
     ap.add_argument("--examples", type=int, default=200, help="assistant turns to probe (every fifth held out)")
     ap.add_argument("--lam", default="0.001,0.1", help="ridge strengths, relative to the mean diagonal")
+    ap.add_argument("--drafter", type=Path, help="a MoA drafter directory: also probe its memory entries")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -43,7 +51,14 @@ def main() -> None:
     kvd, L = cfg.kv_dim, cfg.num_layers
     sets: dict[str, list[torch.Tensor]] = {name: [] for name in (
         "final state (EAGLE's input)", "last layer K/V, keys as cached", "last layer K/V, keys derotated",
-        f"all {L} layers' K/V, keys as cached", f"all {L} layers' K/V, keys derotated", f"all {L} layers' values")}
+        f"all {L} layers' K/V, keys as cached", f"all {L} layers' K/V, keys derotated", f"all {L} layers' values",
+        f"all {L} layers' K/V averaged over layers, keys as cached", f"all {L} layers' K/V averaged over layers, keys derotated")}
+    drafter = None
+    if args.drafter is not None:
+        drafter = load_drafter(args.drafter, lm, torch.float32)
+        if not isinstance(drafter, MoADrafter):
+            raise SystemExit(f"{args.drafter} is not a MoA drafter")
+        sets[f"the drafter's memory entries ({drafter.cfg.memory_source}, LSA width {drafter.cfg.lsa_width})"] = []
     names = list(sets)
     targets, next_embeddings, sequence = [], [], []
     for i, ex in enumerate(examples):
@@ -54,8 +69,11 @@ def main() -> None:
             kv = out.token_kv[0]  # [S, L, 2 kv_dim]
             kv_de = target.unrotated_keys(out.token_kv, torch.arange(S))[0]
             p = torch.arange(ex.prompt_len, S - 1)  # verified token p; the first draft's input token p + 1
-            for name, feats in zip(names, (out.final[0, p], kv[p, -1], kv_de[p, -1], kv[p].flatten(1),
-                                           kv_de[p].flatten(1), kv[p, :, kvd:].flatten(1))):
+            feature_sets = [out.final[0, p], kv[p, -1], kv_de[p, -1], kv[p].flatten(1), kv_de[p].flatten(1),
+                            kv[p, :, kvd:].flatten(1), kv[p].mean(1), kv_de[p].mean(1)]
+            if drafter is not None:
+                feature_sets.append(drafter.memory(out.token_kv, out.final, torch.arange(S))[0, p].float())
+            for name, feats in zip(names, feature_sets):
                 sets[name].append(feats)
             targets.append(out.final[0, p + 1])
             next_embeddings.append(target.embed(tokens[0, p + 1]))
