@@ -52,7 +52,8 @@ def main() -> None:
     sets: dict[str, list[torch.Tensor]] = {name: [] for name in (
         "final state (EAGLE's input)", "last layer K/V, keys as cached", "last layer K/V, keys derotated",
         f"all {L} layers' K/V, keys as cached", f"all {L} layers' K/V, keys derotated", f"all {L} layers' values",
-        f"all {L} layers' K/V averaged over layers, keys as cached", f"all {L} layers' K/V averaged over layers, keys derotated")}
+        f"all {L} layers' K/V averaged over layers, keys as cached",
+        f"all {L} layers' K/V averaged over layers, keys derotated")}
     drafter = None
     if args.drafter is not None:
         drafter = load_drafter(args.drafter, lm, torch.float32)
@@ -69,10 +70,11 @@ def main() -> None:
             kv = out.token_kv[0]  # [S, L, 2 kv_dim]
             kv_de = target.unrotated_keys(out.token_kv, torch.arange(S))[0]
             p = torch.arange(ex.prompt_len, S - 1)  # verified token p; the first draft's input token p + 1
-            feature_sets = [out.final[0, p], kv[p, -1], kv_de[p, -1], kv[p].flatten(1), kv_de[p].flatten(1),
-                            kv[p, :, kvd:].flatten(1), kv[p].mean(1), kv_de[p].mean(1)]
-            if drafter is not None:
-                feature_sets.append(drafter.memory(out.token_kv, out.final, torch.arange(S))[0, p].float())
+            kv_p, kv_de_p = kv[p], kv_de[p]  # [P, L, 2 kv_dim], gathered once for every feature set below
+            feature_sets = [out.final[0, p], kv_p[:, -1], kv_de_p[:, -1], kv_p.flatten(1), kv_de_p.flatten(1),
+                            kv_p[:, :, kvd:].flatten(1), kv_p.mean(1), kv_de_p.mean(1)]
+            if drafter is not None:  # loaded in fp32, so its entries come out in fp32 like the rest
+                feature_sets.append(drafter.memory(out.token_kv, out.final, torch.arange(S))[0, p])
             for name, feats in zip(names, feature_sets):
                 sets[name].append(feats)
             targets.append(out.final[0, p + 1])
