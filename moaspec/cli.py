@@ -28,6 +28,16 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _lsa_width(text: str) -> int | str:
+    """``--lsa-width``: a whole number (checked against LSA's 64-wide heads later) or "full"."""
+    if text == "full":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor 'full'") from None
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model: 'smollm2' (default, embedded), a .gguf file, or a local HF model directory")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -171,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
     t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")
-    t.add_argument("--lsa-width", type=int, default=None,
-                   help="LSA width, a multiple of 64 (default: half a layer's K/V width; the paper's is the full width)")
+    t.add_argument("--lsa-width", type=_lsa_width, default=None,
+                   help="LSA width, a multiple of 64, or 'full': a layer's K/V width, the paper's "
+                        "(default: half of that)")
     t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: twice the LSA width)")
     memory = t.add_mutually_exclusive_group()
     memory.add_argument("--no-lsa", action="store_true",
@@ -184,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extension beyond the paper: Cross-Attention's input also carries a projection of the newest "
                         "memory entry it may read, as EAGLE's first draft reads the newest verified state "
                         "(with --init-from a drafter without it: added at zero)")
+    t.add_argument("--sa-reads-memory", action="store_true",
+                   help="extension beyond the paper: Self-Attention's input pairs each token with a projection of the "
+                        "memory entry of the token before it (for a draft: the newest verified one), as EAGLE's layer "
+                        "pairs each token with the state before it (with --init-from a drafter without it: added at zero)")
     t.add_argument("--derotate-keys", action="store_true",
                    help="extension beyond the paper: Layer Self-Attention reads each layer's keys with their rotary "
                         "position removed (the cache holds them rotated); with --init-from a drafter without it: "
@@ -192,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
     t.add_argument("--init-from", default="",
                    help="start from this exported drafter (RUN/drafter) instead of random weights; "
-                        "a MoA one may change --tli-layers or add --memory-final, --newest-entry or --derotate-keys")
+                        "a MoA one may change --tli-layers or add --memory-final, --newest-entry, --sa-reads-memory or --derotate-keys")
     t.add_argument("--same-data-as", default="", metavar="RUN",
                    help="train on exactly the batches another run used (its shards per epoch and draft vocabulary): "
                         "a like-for-like comparison even after the data set grew")
@@ -453,12 +468,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
     moa_sizes = (args.sa_mlp, args.ca_mlp, args.lsa_width, args.lsa_mlp)
     if args.kind != "moa" and (args.tli_layers or any(w is not None for w in moa_sizes) or args.no_lsa or args.memory_final
-                               or args.newest_entry or args.derotate_keys):
+                               or args.newest_entry or args.sa_reads_memory or args.derotate_keys):
         raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp, --no-lsa, --memory-final, "
-                           "--newest-entry and --derotate-keys apply to MoA drafters only")
+                           "--newest-entry, --sa-reads-memory and --derotate-keys apply to MoA drafters only")
     if args.no_lsa and args.derotate_keys:
         raise MoaspecError("--derotate-keys changes Layer Self-Attention's input, which --no-lsa removes")
-    if args.lsa_width is not None and (args.lsa_width <= 0 or args.lsa_width % 64):
+    if isinstance(args.lsa_width, int) and (args.lsa_width <= 0 or args.lsa_width % 64):
         raise MoaspecError(f"--lsa-width must be a positive multiple of 64 (LSA's heads are 64 wide), got {args.lsa_width}")
     if args.layers is not None and (args.kind != "independent" or not 1 <= args.layers < loaded.cfg.num_layers):
         raise MoaspecError(f"--layers applies to independent drafters and must be in 1..{loaded.cfg.num_layers - 1}")
@@ -470,6 +485,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_width": args.lsa_width, "lsa_mlp": args.lsa_mlp,
                  "memory_source": "last-layer" if args.no_lsa else "lsa+final" if args.memory_final else None,
                  "newest_entry": True if args.newest_entry else None,
+                 "sa_reads_memory": True if args.sa_reads_memory else None,
                  "derotate_keys": True if args.derotate_keys else None}
     elif args.kind == "independent":
         sizes = {"layers": args.layers}

@@ -9,8 +9,8 @@
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
 #        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final; moa-newest, MoA with
 #        --newest-entry; moa-final-newest, MoA with both (the best MoA from scratch on the CPU,
-#        BENCHMARKS.md); moa-derot, MoA with --derotate-keys; moa-wide, MoA whose LSA runs at SmolLM2's full
-#        K/V width as in the paper (--lsa-width 384; the default halves it); moa-seg1, segments of 1;
+#        BENCHMARKS.md); moa-derot, MoA with --derotate-keys; moa-wide, MoA whose LSA runs at the target's full
+#        K/V width as in the paper (--lsa-width full; the default halves it); moa-seg1, segments of 1;
 #        moa-cont, the MoA drafter shipped for the default target continued at a lower learning rate;
 #        moa-cont-newest, the same with --newest-entry added; moa-cont-derot, with --derotate-keys
 #        added (an approximate warm start); eagle-cont, the shipped EAGLE drafter
@@ -38,7 +38,7 @@ options() {  # the `moaspec train` options of a drafter name
         moa-newest) echo --kind moa --newest-entry ;;
         moa-final-newest) echo --kind moa --memory-final --newest-entry ;;
         moa-derot) echo --kind moa --derotate-keys ;;
-        moa-wide) echo --kind moa --lsa-width 384 ;;
+        moa-wide) echo --kind moa --lsa-width full ;;
         moa-seg1) echo --kind moa --segment-min 1 --segment-max 1 ;;
         moa-cont) echo --kind moa --init-from "$SHIPPED-moa" $CONTINUE ;;
         moa-cont-newest) echo "$(options moa-cont)" --newest-entry ;;

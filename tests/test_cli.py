@@ -180,14 +180,16 @@ def test_train_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("opts,fragment", [(["--threads", "-1"], "not a whole number >= 1"),
-                                           (["--threads", "0"], "not a whole number >= 1"),
-                                           (["--draft-confidence", "1"], "not a probability")])
+@pytest.mark.parametrize("opts,fragment", [(["generate", "hi", "--threads", "-1"], "not a whole number >= 1"),
+                                           (["generate", "hi", "--threads", "0"], "not a whole number >= 1"),
+                                           (["generate", "hi", "--draft-confidence", "1"], "not a probability"),
+                                           (["train", "--data", "d", "--output", "o", "--lsa-width", "wide"],
+                                            "neither a whole number nor 'full'")])
 def test_options_checked_by_the_parser(tiny_dirs, capsys, opts, fragment) -> None:  # type: ignore[no-untyped-def]
     from moaspec.cli import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["generate", "hi", "--model", str(tiny_dirs["llama"]), *opts])
+        main([*opts, "--model", str(tiny_dirs["llama"])])
     assert exit_.value.code == 2 and fragment in capsys.readouterr().err
 
 
