@@ -195,10 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extension beyond the paper: Cross-Attention's input also carries a projection of the newest "
                         "memory entry it may read, as EAGLE's first draft reads the newest verified state "
                         "(with --init-from a drafter without it: added at zero)")
-    t.add_argument("--sa-reads-memory", action="store_true",
-                   help="extension beyond the paper: Self-Attention's input pairs each token with a projection of the "
-                        "memory entry of the token before it (for a draft: the newest verified one), as EAGLE's layer "
-                        "pairs each token with the state before it (with --init-from a drafter without it: added at zero)")
     t.add_argument("--derotate-keys", action="store_true",
                    help="extension beyond the paper: Layer Self-Attention reads each layer's keys with their rotary "
                         "position removed (the cache holds them rotated); with --init-from a drafter without it: "
@@ -207,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
     t.add_argument("--init-from", default="",
                    help="start from this exported drafter (RUN/drafter) instead of random weights; "
-                        "a MoA one may change --tli-layers or add --memory-final, --newest-entry, --sa-reads-memory or --derotate-keys")
+                        "a MoA one may change --tli-layers or add --memory-final, --newest-entry or --derotate-keys")
     t.add_argument("--same-data-as", default="", metavar="RUN",
                    help="train on exactly the batches another run used (its shards per epoch and draft vocabulary): "
                         "a like-for-like comparison even after the data set grew")
@@ -468,9 +464,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
     moa_sizes = (args.sa_mlp, args.ca_mlp, args.lsa_width, args.lsa_mlp)
     if args.kind != "moa" and (args.tli_layers or any(w is not None for w in moa_sizes) or args.no_lsa or args.memory_final
-                               or args.newest_entry or args.sa_reads_memory or args.derotate_keys):
+                               or args.newest_entry or args.derotate_keys):
         raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp, --no-lsa, --memory-final, "
-                           "--newest-entry, --sa-reads-memory and --derotate-keys apply to MoA drafters only")
+                           "--newest-entry and --derotate-keys apply to MoA drafters only")
     if args.no_lsa and args.derotate_keys:
         raise MoaspecError("--derotate-keys changes Layer Self-Attention's input, which --no-lsa removes")
     if isinstance(args.lsa_width, int) and (args.lsa_width <= 0 or args.lsa_width % 64):
@@ -485,7 +481,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_width": args.lsa_width, "lsa_mlp": args.lsa_mlp,
                  "memory_source": "last-layer" if args.no_lsa else "lsa+final" if args.memory_final else None,
                  "newest_entry": True if args.newest_entry else None,
-                 "sa_reads_memory": True if args.sa_reads_memory else None,
                  "derotate_keys": True if args.derotate_keys else None}
     elif args.kind == "independent":
         sizes = {"layers": args.layers}

@@ -47,13 +47,12 @@ def make_app(tiny_llama, drafter, **limits):  # type: ignore[no-untyped-def]
 def tli_drafter(tiny_llama) -> MoADrafter:  # type: ignore[no-untyped-def]
     """A MoA drafter with Target Layer Inference (N = 1): its client runs the target's last layer.
 
-    It also reads the memory in Cross-Attention's and Self-Attention's inputs (at random weights, not zero),
-    which its client keeps from the entries the server sends.
+    It also reads the newest memory entry in Cross-Attention's input (at random weights, not zero), which its
+    client keeps from the entries the server sends.
     """
     torch.manual_seed(4)
-    d = MoADrafter(MoAConfig.for_target(tiny_llama.cfg, tli_layers=1, newest_entry=True, sa_reads_memory=True))
+    d = MoADrafter(MoAConfig.for_target(tiny_llama.cfg, tli_layers=1, newest_entry=True))
     torch.nn.init.normal_(d.newest_proj.weight, std=0.05)
-    torch.nn.init.normal_(d.sa_entry_gain, std=0.3)
     d.attach(tiny_llama.model)
     return d.eval()
 

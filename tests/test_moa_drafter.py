@@ -25,13 +25,10 @@ from moaspec.training.masks import cross_attention_mask, segment_starts, self_at
 
 
 def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: str = "lsa", reach: int = 15,  # type: ignore[no-untyped-def]
-                 newest: bool = False, derotate: bool = False, sa_memory: bool = False) -> MoADrafter:
+                 newest: bool = False, derotate: bool = False) -> MoADrafter:
     torch.manual_seed(seed)
     d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
-                                        ca_reach=reach, newest_entry=newest, derotate_keys=derotate,
-                                        sa_reads_memory=sa_memory))
-    if d.sa_entry_proj is not None:  # its gain starts at zero, which would leave the entries unread
-        torch.nn.init.normal_(d.sa_entry_gain, std=0.3)
+                                        ca_reach=reach, newest_entry=newest, derotate_keys=derotate))
     for proj in (d.final_proj, d.newest_proj):  # they start at zero, which would hide their paths from the tests
         if proj is not None:
             torch.nn.init.normal_(proj.weight, std=0.05)
@@ -41,21 +38,18 @@ def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: st
     return d.eval()
 
 
-@pytest.mark.parametrize("tli, together, memory, reach, newest, derotate, sa_memory", [
-    (0, False, "lsa", 15, False, False, False), (1, False, "lsa", 15, False, False, False),
-    (2, False, "lsa", 15, False, False, False), (1, True, "lsa", 15, False, False, False),
-    (2, True, "lsa", 15, False, False, False), (0, False, "last-layer", 15, False, False, False),
-    (1, True, "lsa+final", 15, False, False, False),
-    (0, False, "lsa", 4, False, False, False), (1, True, "lsa", 4, False, False, False),  # a segment longer than CA's reach
-    (0, False, "lsa", 15, True, False, False), (1, True, "lsa", 4, True, False, False),  # CA's input carries the newest entry
-    (0, False, "lsa", 15, False, True, False), (1, True, "lsa+final", 15, False, True, False),  # LSA reads derotated keys
-    (0, False, "lsa", 15, False, False, True), (1, True, "lsa+final", 15, True, False, True),  # SA's input reads the memory
+@pytest.mark.parametrize("tli, together, memory, reach, newest, derotate", [
+    (0, False, "lsa", 15, False, False), (1, False, "lsa", 15, False, False), (2, False, "lsa", 15, False, False),
+    (1, True, "lsa", 15, False, False), (2, True, "lsa", 15, False, False), (0, False, "last-layer", 15, False, False),
+    (1, True, "lsa+final", 15, False, False),
+    (0, False, "lsa", 4, False, False), (1, True, "lsa", 4, False, False),  # a segment longer than CA's reach
+    (0, False, "lsa", 15, True, False), (1, True, "lsa", 4, True, False),  # CA's input carries the newest entry
+    (0, False, "lsa", 15, False, True), (1, True, "lsa+final", 15, False, True),  # LSA reads derotated keys
 ])
 def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool, memory: str,  # type: ignore[no-untyped-def]
-                                                            reach: int, newest: bool, derotate: bool, sa_memory: bool) -> None:
+                                                            reach: int, newest: bool, derotate: bool) -> None:
     """Drafting after a verification at position p sees exactly what training shows a segment starting at p."""
-    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory, reach=reach, newest=newest, derotate=derotate,
-                           sa_memory=sa_memory)
+    drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory, reach=reach, newest=newest, derotate=derotate)
     target = tiny_llama.model
     S, p = 24, 9
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))

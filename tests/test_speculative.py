@@ -47,12 +47,10 @@ class OracleProposer:
 
 
 def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa", newest: bool = False,  # type: ignore[no-untyped-def]
-                 dtype: torch.dtype = torch.float32, derotate: bool = False, sa_memory: bool = False) -> MoAProposer:
+                 dtype: torch.dtype = torch.float32, derotate: bool = False) -> MoAProposer:
     torch.manual_seed(3)
     d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
-                                        newest_entry=newest, derotate_keys=derotate, sa_reads_memory=sa_memory)).to(dtype)
-    if d.sa_entry_proj is not None:  # its gain starts at zero, which would leave the entries unread
-        torch.nn.init.normal_(d.sa_entry_gain, std=0.3)
+                                        newest_entry=newest, derotate_keys=derotate)).to(dtype)
     for proj in (d.final_proj, d.newest_proj):  # they start at zero, which would leave their inputs unread
         if proj is not None:
             torch.nn.init.normal_(proj.weight, std=0.05)
@@ -87,7 +85,7 @@ PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 
 
 @pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest",
-                                  "moa-sa-memory", "moa-derot", "eagle",
+                                  "moa-derot", "eagle",
                                   "independent", "independent-whole",
                                   # drafting in bf16 beside the fp32 target (drafting_dtype on CPUs with bf16 kernels)
                                   "moa-bf16", "moa-tli1-bf16", "moa-derot-bf16", "eagle-bf16", "independent-bf16"])
@@ -105,7 +103,6 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
             "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
             "moa-newest": lambda: moa_proposer(tiny_llama, newest=True),
-            "moa-sa-memory": lambda: moa_proposer(tiny_llama, tli=1, sa_memory=True),
             "moa-derot": lambda: moa_proposer(tiny_llama, derotate=True),
             "moa-derot-bf16": lambda: moa_proposer(tiny_llama, derotate=True, dtype=torch.bfloat16),
             "moa-bf16": lambda: moa_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16),

@@ -88,7 +88,6 @@ def test_eagle_training_reduces_the_loss(tiny_llama, tiny_data: Path, tmp_path: 
     (dict(tli_layers=1), {"memory_source": "lsa+final"}),  # LSA plus the final state
     (dict(), {"lsa_width": 128}),  # LSA wider than the default
     (dict(tli_layers=1), {"newest_entry": True}),  # CA's input carries the newest memory entry
-    (dict(tli_layers=1), {"sa_reads_memory": True}),  # SA's input pairs each token with the entry before it
     (dict(), {"derotate_keys": True}),  # LSA reads keys without their rotation
 ])
 def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes) -> None:  # type: ignore[no-untyped-def]
@@ -102,7 +101,6 @@ def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes)
     assert drafter.cfg.tli_layers == cfg.get("tli_layers", 0)
     assert drafter.cfg.memory_source == (sizes or {}).get("memory_source", "lsa")
     assert drafter.cfg.newest_entry == (sizes or {}).get("newest_entry", False)
-    assert drafter.cfg.sa_reads_memory == (sizes or {}).get("sa_reads_memory", False)
     assert drafter.cfg.derotate_keys == (sizes or {}).get("derotate_keys", False)
     if sizes and "lsa_width" in sizes:
         assert (drafter.cfg.lsa_width, drafter.cfg.lsa_heads) == (128, 2)
@@ -397,19 +395,17 @@ def test_warm_start_may_add_the_final_state_to_the_memory(tiny_llama, tiny_data:
                 {"memory_source": "lsa"}, progress=False)
 
 
-@pytest.mark.parametrize("option, proj", [("newest_entry", "newest_proj.weight"), ("sa_reads_memory", "sa_entry_gain")])
-def test_warm_start_may_add_the_memory_to_cross_or_self_attention(tiny_llama, tiny_data: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                                                  option: str, proj: str) -> None:
-    """A plain MoA drafter gains the newest entry's projection (CA's input) or the entries' (SA's input) at zero: it
-    predicts exactly as before until training moves it; a drafter that learnt to read them cannot drop them."""
+def test_warm_start_may_add_the_newest_entry_to_cross_attention(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A plain MoA drafter gains the newest entry's projection at zero: it predicts exactly as before until training
+    moves it; a drafter that learnt to read it cannot drop it."""
     from moaspec.drafters.checkpoint import load_drafter
     from moaspec.training.masks import cross_attention_mask
 
     Trainer(tiny_llama, tiny_data, tmp_path / "plain", small(steps=2), progress=False).train()
     first = load_drafter(tmp_path / "plain" / "drafter", tiny_llama, torch.float32)
     t = Trainer(tiny_llama, tiny_data, tmp_path / "newest", small(steps=4, init_from=str(tmp_path / "plain" / "drafter")),
-                {option: True}, progress=False)
-    assert getattr(t.raw.cfg, option) and not t.raw.get_parameter(proj).any()
+                {"newest_entry": True}, progress=False)
+    assert t.raw.cfg.newest_entry and not t.raw.newest_proj.weight.any()
     S = 12
     tokens = torch.arange(S)[None] + 3
     cache = tiny_llama.model.new_cache(S)
@@ -421,10 +417,10 @@ def test_warm_start_may_add_the_memory_to_cross_or_self_attention(tiny_llama, ti
                                    first(tokens, cache.token_kv(0, S), final, sa, ca).float())
     t.train()
     trained = load_drafter(tmp_path / "newest" / "drafter", tiny_llama)
-    assert getattr(trained.cfg, option) and trained.get_parameter(proj).any()
-    with pytest.raises(MoaspecError, match="cannot continue as one"):
+    assert trained.cfg.newest_entry and trained.newest_proj.weight.any()
+    with pytest.raises(MoaspecError, match="cannot continue as one that does not"):
         Trainer(tiny_llama, tiny_data, tmp_path / "back", small(steps=1, init_from=str(tmp_path / "newest" / "drafter")),
-                {option: False}, progress=False)
+                {"newest_entry": False}, progress=False)
 
 
 def test_warm_start_may_derotate_lsa_keys_but_not_go_back(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

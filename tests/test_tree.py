@@ -45,8 +45,8 @@ class OracleTree:
         pass
 
 
-@pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest", "moa-sa-memory",
-                                  "eagle", "independent", "independent-whole"])
+@pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest", "eagle",
+                                  "independent", "independent-whole"])
 @pytest.mark.parametrize("shape", [TreeShape(1, 1, 2), TreeShape(3, 2, 8), TreeShape(5, 4, 24)])
 def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -61,7 +61,6 @@ def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> 
             "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
             "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
             "moa-newest": lambda: moa_proposer(tiny_llama, newest=True),
-            "moa-sa-memory": lambda: moa_proposer(tiny_llama, tli=1, sa_memory=True),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_tree(model, tok, proposer, prompt, cfg, shape)

@@ -5,7 +5,6 @@ Data flow for one drafted position ``j``::
     target K/V of every layer, per verified token i ──LSA──► mean over layers ──proj──► memory[i]
     (optional, beyond the paper: + a projection of the target's final state of token i)
     token embeddings x_0..x_j ──SA (causal, own cache)──► s_j
-    (optional, beyond the paper: SA's input adds to x_i a projection of memory[i-1], or of the newest entry x_i may read)
     (optional, beyond the paper: s_j += a projection of memory[n], the newest entry position j may read)
     s_j ──CA over memory[i], i < start of the drafting cycle──► f_j
     N = 0: f_j ≈ target's final hidden h_j      → lm_head → draft logits for x_{j+1}
@@ -53,7 +52,6 @@ class MoAConfig(DrafterConfig):
     ca_reach: int = 15  # a CA query is rotated as if at most this many positions past the newest entry it reads
     newest_entry: bool = False  # beyond the paper: CA's input also carries the newest memory entry it may read
     derotate_keys: bool = False  # beyond the paper: LSA reads each layer's keys with their rotary position removed
-    sa_reads_memory: bool = False  # beyond the paper: SA's input pairs each token with the entry before it, T-step bounded
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "MoAConfig":
@@ -93,29 +91,18 @@ class MoAConfig(DrafterConfig):
             raise ValueError(f"ca_reach must be >= 1, got {self.ca_reach}")
 
 
-def entries_at(memory: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``memory[b, index[b, i]]`` ``[B, S, d]`` for ``memory`` ``[B, M, d]``; zeros where ``index`` < 0 (nothing to read).
-
-    ``index`` ``[B, S]`` or ``[S]`` (the same for every sequence).
-    """
-    index = index.expand(memory.shape[0], -1)
-    picked = memory.gather(1, index.clamp(min=0)[..., None].expand(-1, -1, memory.shape[-1]))
-    return picked * (index >= 0)[..., None].to(picked.dtype)
-
-
 @dataclass
 class MoAState:
     """Per-sequence inference state: SA's cache of token K/V and CA's keys/values of the memory.
 
     ``sa.length`` tokens have SA entries (rolled back with the target's cache);
-    ``memory.length`` tokens are verified and in the memory (append-only); ``entries``
-    ``[capacity, d]`` keeps the memory entries themselves, for drafters that read them
-    outside CA (``newest_entry``, ``sa_reads_memory``; ``None`` for the others).
+    ``memory.length`` tokens are verified and in the memory (append-only); ``latest``
+    is the newest of those entries, ``[1, 1, d]`` (read by drafters with ``newest_entry``).
     """
 
     sa: KVCache
     memory: KVCache
-    entries: torch.Tensor | None = None
+    latest: torch.Tensor | None = None
 
 
 class MoADrafter(Drafter):
@@ -151,17 +138,6 @@ class MoADrafter(Drafter):
             # so that with the same seed every other weight starts as a plain drafter's.
             self.newest_proj = Linear(d, d, bias=False)
             torch.nn.init.zeros_(self.newest_proj.weight)
-        self.sa_entry_proj: Linear | None = None
-        if cfg.sa_reads_memory:
-            # EAGLE's layer reads each token beside the target's state of the token before it, in self-attention
-            # over the whole sequence; MoA's SA reads tokens alone. This pairs each token with the entry of the
-            # token before it, or with the newest entry it may read if that one is not verified (a draft): T-step
-            # bounded, as CA is. Made last, as ``newest_proj``. The entries (RMS 1 after the memory norm) would
-            # drown SmolLM2's token embeddings (RMS 0.14) within a few updates of a zero-initialised projection
-            # (that run learnt slower than plain MoA); a per-channel gain from zero lets them in gradually, and
-            # keeps a warm start exact.
-            self.sa_entry_proj = Linear(d, d, bias=False)
-            self.sa_entry_gain = torch.nn.Parameter(torch.zeros(d))
 
     def attach(self, target: Transformer, vocab_limit: int | None = None) -> None:
         held = target.cfg.num_layers - target.first_block
@@ -171,17 +147,16 @@ class MoADrafter(Drafter):
         super().attach(target, vocab_limit)
 
     def adapted(self, tli_layers: int | None = None, memory_source: str | None = None,
-                newest_entry: bool | None = None, derotate_keys: bool | None = None,
-                sa_reads_memory: bool | None = None) -> "MoADrafter":
+                newest_entry: bool | None = None, derotate_keys: bool | None = None) -> "MoADrafter":
         """A copy with another N, with the final state added to its memory, with the newest memory entry
-        added to CA's or SA's input, or reading keys without their rotation: a warm start for training.
+        added to CA's input, or reading keys without their rotation: a warm start for training.
 
         LSA, SA and CA build the drafter's picture of the context and carry over
         unchanged. A new N changes only what CA's output is compared with (the target's
         final state for N = 0, its state after layer L−N otherwise), and with it the
         output norm, which exists only for N = 0 and then starts as the target's final
         norm. Going from "lsa" to "lsa+final" adds the final state's projection at zero,
-        and gaining ``newest_entry`` or ``sa_reads_memory`` adds its projection at zero, so the copy drafts exactly
+        and gaining ``newest_entry`` adds its projection at zero, so the copy drafts exactly
         as the original until training moves it. Gaining ``derotate_keys`` is the one change
         that is not exact: LSA's input projection then reads keys it learnt on rotated, so
         its slowly turning pairs (still nearly unrotated) carry over and the fast ones start
@@ -194,13 +169,10 @@ class MoADrafter(Drafter):
         cfg = replace(self.cfg, tli_layers=self.cfg.tli_layers if tli_layers is None else tli_layers,
                       memory_source=memory_source or self.cfg.memory_source,
                       newest_entry=self.cfg.newest_entry if newest_entry is None else newest_entry,
-                      derotate_keys=self.cfg.derotate_keys if derotate_keys is None else derotate_keys,
-                      sa_reads_memory=self.cfg.sa_reads_memory if sa_reads_memory is None else sa_reads_memory)
+                      derotate_keys=self.cfg.derotate_keys if derotate_keys is None else derotate_keys)
         cfg.check_target(target.cfg)
         if self.cfg.newest_entry and not cfg.newest_entry:
             raise ValueError("a drafter that reads the newest memory entry cannot continue as one that does not")
-        if self.cfg.sa_reads_memory and not cfg.sa_reads_memory:
-            raise ValueError("a drafter whose Self-Attention reads the memory cannot continue as one whose does not")
         if self.cfg.derotate_keys and not cfg.derotate_keys:
             raise ValueError("a drafter that reads keys without their rotation cannot continue as one that reads them rotated")
         if cfg.memory_source != self.cfg.memory_source and (self.cfg.memory_source, cfg.memory_source) != ("lsa", "lsa+final"):
@@ -208,7 +180,7 @@ class MoADrafter(Drafter):
                              f"{cfg.memory_source!r} (only 'lsa' can gain the final state)")
         new = MoADrafter(cfg).to(device=self.lsa_proj.weight.device, dtype=self.weight_dtype)
         missing, unexpected = new.load_state_dict(self.state_dict(), strict=False)
-        assert {k.split(".")[0] for k in missing + unexpected} <= {"out_norm", "final_proj", "newest_proj", "sa_entry_proj", "sa_entry_gain"}, \
+        assert {k.split(".")[0] for k in missing + unexpected} <= {"out_norm", "final_proj", "newest_proj"}, \
             (missing, unexpected)
         if cfg.tli_layers != self.cfg.tli_layers:
             new.start_out_norm_from(target)
@@ -314,14 +286,14 @@ class MoADrafter(Drafter):
         S = tokens.shape[1]
         positions = torch.arange(S, device=tokens.device)
         cos, sin = self.rope(positions)
+        s = self.sa.self_attention(self.target.embed(tokens).to(cos.dtype), cos, sin, sa_mask)
         memory = self.memory(token_kv, final)
-        newest = ca_mask.sum(-1) - 1  # the masks are prefixes: each query reads the memory before a limit
-        x = self.target.embed(tokens).to(cos.dtype)
-        if self.sa_entry_proj is not None:
-            x = x + self.sa_entry_gain * self.sa_entry_proj(entries_at(memory, torch.minimum(newest, positions - 1)))
-        s = self.sa.self_attention(x, cos, sin, sa_mask)
         mem_k, mem_v = self.ca.attn.keys_values(memory, cos, sin)
-        latest = entries_at(memory, newest) if self.newest_proj is not None else None
+        newest = ca_mask.sum(-1) - 1  # the masks are prefixes: each query reads the memory before a limit
+        latest = None
+        if self.newest_proj is not None:  # a query that may read nothing (none in training's loss) gets zeros
+            index = newest.clamp(min=0)[..., None].expand(-1, -1, memory.shape[-1])
+            latest = memory.gather(1, index) * (newest >= 0)[..., None]
         return self.predict(s, positions, newest, mem_k, mem_v, ca_mask, latest)
 
     # --- inference ----------------------------------------------------------------------
@@ -330,10 +302,7 @@ class MoADrafter(Drafter):
         dtype, device = self.weight_dtype, self.lsa_proj.weight.device
         sa = KVCache(1, self.cfg.kv_heads, self.cfg.head_dim, capacity, batch_size, dtype, device)
         memory = KVCache(1, self.cfg.kv_heads, self.cfg.head_dim, capacity, batch_size, dtype, device)
-        entries = None
-        if self.newest_proj is not None or self.sa_entry_proj is not None:
-            entries = torch.zeros(capacity, self.cfg.hidden_size, dtype=dtype, device=device)
-        return MoAState(sa=sa, memory=memory, entries=entries)
+        return MoAState(sa=sa, memory=memory)
 
     @torch.inference_mode()
     def observe(self, state: MoAState, target_cache: KVCache, verified: int, hidden: torch.Tensor | None = None) -> None:
@@ -360,8 +329,7 @@ class MoADrafter(Drafter):
         state.memory.keys[0, :, :, start:end] = k
         state.memory.values[0, :, :, start:end] = v
         state.memory.length = end
-        if state.entries is not None:
-            state.entries[start:end] = entries
+        state.latest = entries[None, -1:].to(self.weight_dtype)
 
     @torch.inference_mode()
     def step(self, state: MoAState, tokens: torch.Tensor, positions: torch.Tensor, sa_mask: torch.Tensor | None,
@@ -377,21 +345,15 @@ class MoADrafter(Drafter):
         """
         start = state.sa.length
         T = tokens.shape[1]
-        n = state.memory.length
-        if n == 0:
-            raise ValueError("a MoA drafter drafts from verified tokens: observe the prompt before the first step")
         cos, sin = self.rope(positions)
         x = self.target.embed(tokens).to(cos.dtype)
-        if self.sa_entry_proj is not None:  # as in training: the entry before each token, or the newest one
-            assert state.entries is not None
-            x = x + self.sa_entry_gain * self.sa_entry_proj(entries_at(state.entries[None], (positions - 1).clamp(max=n - 1)))
         if sa_mask is None and T > 1:
             sa_mask = causal_mask(start, T, tokens.device)
         s = self.sa.self_attention(x, cos, sin, sa_mask, cache=(state.sa.keys[0], state.sa.values[0], start))
         state.sa.length = start + T
+        n = state.memory.length
         mem_k, mem_v = state.memory.keys[0, :, :, :n], state.memory.values[0, :, :, :n]
-        latest = None if state.entries is None else state.entries[n - 1 : n][None]
-        f = self.predict(s[:, T - outputs :], positions[..., T - outputs :], n - 1, mem_k, mem_v, None, latest)
+        f = self.predict(s[:, T - outputs :], positions[..., T - outputs :], n - 1, mem_k, mem_v, None, state.latest)
         if self.cfg.tli_layers:
             if target_cache is None:
                 raise ValueError("a drafter with Target Layer Inference needs the target's cache")

@@ -192,9 +192,8 @@ class Trainer:
         """Continue from an exported drafter (its architecture and draft vocabulary), e.g. on more data.
 
         A MoA drafter may change its N, gain the final state in its memory (``sizes["memory_source"]``),
-        start reading the newest memory entry (``sizes["newest_entry"]``), the memory in SA
-        (``sizes["sa_reads_memory"]``) or keys without their rotation (``sizes["derotate_keys"]``);
-        other sizes are its own.
+        start reading the newest memory entry (``sizes["newest_entry"]``) or keys without their rotation
+        (``sizes["derotate_keys"]``); other sizes are its own.
         """
         from moaspec.drafters.checkpoint import load_drafter
 
@@ -207,7 +206,7 @@ class Trainer:
         if isinstance(drafter, MoADrafter):  # an option not given (None) stays the checkpoint's
             try:  # e.g. try N = 1 from a trained N = 0
                 drafter = drafter.adapted(self.cfg.tli_layers, sizes.get("memory_source"), sizes.get("newest_entry"),
-                                          sizes.get("derotate_keys"), sizes.get("sa_reads_memory"))
+                                          sizes.get("derotate_keys"))
             except ValueError as e:
                 raise MoaspecError(f"--init-from {path}: {e}") from e
         return drafter.requires_grad_(True)  # fp32 already: loaded so, and adapted() keeps the dtype
