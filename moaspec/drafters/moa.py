@@ -64,10 +64,11 @@ class MoAConfig(DrafterConfig):
         ``sizes`` overrides any of these; a given ``lsa_width`` (a multiple of 64, or "full":
         a layer token's width, the paper's) sets LSA's heads and MLP from it.
         """
-        if sizes.get("lsa_width") == "full":  # a layer token is 2 · kv_dim wide
-            sizes = {**sizes, "lsa_width": max(64, 2 * cfg.kv_dim // 64 * 64)}
+        token_width = 2 * cfg.kv_dim  # a layer token: one layer's K and V of one token
+        if sizes.get("lsa_width") == "full":
+            sizes = {**sizes, "lsa_width": max(64, token_width // 64 * 64)}
         check_widths(sizes, "sa_mlp", "ca_mlp", "lsa_width", "lsa_mlp")
-        lsa_width = sizes.get("lsa_width") or max(64, cfg.kv_dim // 64 * 64)
+        lsa_width = sizes.get("lsa_width") or max(64, token_width // 2 // 64 * 64)
         if lsa_width % 64:
             raise ValueError(f"the LSA width must be a multiple of 64 (its heads are 64 wide), got {lsa_width}")
         heads = lsa_width // 64
