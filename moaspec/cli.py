@@ -55,12 +55,16 @@ def _add_drafter_dtype_option(p: argparse.ArgumentParser) -> None:
                         "else the target's dtype); never changes the text, only which drafts are accepted")
 
 
-def _add_generation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default 256)")
+def _add_sampling_options(p: argparse.ArgumentParser, seed_help: str = "seed for sampling") -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--seed", type=int, default=None, help=seed_help)
+
+
+def _add_generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default 256)")
+    _add_sampling_options(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -320,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lookup", type=int, default=_default_lookup(),
                    help="prompt lookup drafts per target forward for pld, moa-pld, moa-chain-pld and hf-pld")
     _add_tree_options(b)
+    _add_sampling_options(b, "seed for sampling (default 0); each prompt gets its own seed derived from it and the "
+                             "prompt, the same for every method, so a run repeats exactly")
     b.add_argument("--no-progress", action="store_true")
     _add_model_options(b)
     _add_drafter_dtype_option(b)
@@ -497,10 +503,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from moaspec.bench.methods import MethodOptions, build_methods
     from moaspec.bench.run import run_bench, table
+    from moaspec.decoding import SamplingParams
     from moaspec.decoding.tree import TreeShape
     from moaspec.specbench import check_first_turns_fit, load_questions
 
     names = _method_list(args.methods)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, 0 if args.seed is None else args.seed)
     if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or args.chain < 1 or args.lookup < 1:
         raise MoaspecError("--max-new-tokens, --limit, --chain and --lookup must be >= 1")
     questions = load_questions(args.questions, per_file=args.limit)
@@ -508,11 +516,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_first_turns_fit(questions, loaded.tokenizer, loaded.cfg.max_position_embeddings)
     opts = MethodOptions(moa_drafter=args.drafter, eagle_drafter=args.eagle_drafter,
                          independent_drafter=args.independent_drafter, chain=args.chain, confidence=args.draft_confidence,
-                         pld_tokens=args.lookup,
+                         pld_tokens=args.lookup, sampling=sampling,
                          tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total))
     methods = build_methods(names, loaded, opts)
     summary = run_bench(loaded, questions, methods, args.max_new_tokens, Path(args.output), progress=not args.no_progress,
-                        settings=_bench_settings(args, loaded))
+                        settings=_bench_settings(args, loaded), greedy=sampling.greedy)
     print(table(summary))
     print(f"answers, summary.json and plots in {args.output}")
     return 0

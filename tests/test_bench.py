@@ -113,8 +113,43 @@ def test_an_interrupted_bench_resumes_where_it_stopped(tiny_dirs, setup, tmp_pat
     (["--methods", "eagle2"], "needs --eagle-drafter"),
     (["--methods", "hf-assisted"], "needs --independent-drafter"),
     (["--limit", "0"], ">= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "0.7", "--top-p", "0"], "top_p must be in (0, 1]"),
 ])
 def test_bench_rejects_bad_options(tiny_dirs, setup, tmp_path: Path, capsys, argv, message) -> None:  # type: ignore[no-untyped-def]
     rc = main(["bench", "--model", str(tiny_dirs["llama"]), "--questions", str(setup["questions"]),
                "--output", str(tmp_path / "b"), *argv])
     assert rc == 2 and message in capsys.readouterr().err
+
+
+def _answers(out: Path) -> dict[tuple[str, str, int], list[list[int]]]:
+    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    return {(r["method"], r["category"], r["question_id"]): [t["token_ids"] for t in r["turns"]] for r in rows}
+
+
+def test_bench_samples_every_method_reproducibly(tiny_dirs, setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    def run(out: Path, *sampling: str) -> dict:  # type: ignore[type-arg]
+        assert main(["bench", "--model", str(tiny_dirs["llama"]), "--questions", str(setup["questions"]),
+                     "--methods", ",".join(ALL), "--max-new-tokens", "10", "--limit", "2", "--output", str(out),
+                     "--drafter", str(setup["moa"]), "--eagle-drafter", str(setup["eagle"]),
+                     "--independent-drafter", str(setup["independent"]), "--no-progress", *sampling]) == 0
+        return json.loads((out / "summary.json").read_text())
+
+    greedy = run(tmp_path / "greedy")
+    sampled = run(tmp_path / "t1", "--temperature", "1.0", "--top-k", "40", "--seed", "5")
+    again = run(tmp_path / "t2", "--temperature", "1.0", "--top-k", "40", "--seed", "5")
+    assert greedy["greedy"] and not sampled["greedy"]
+    for m in ALL:
+        o = sampled["results"][m]["overall"]
+        assert o["greedy_mismatches"] is None and o["new_tokens"] > 0 and o["tau"] >= 1.0, m
+    a, b, g = _answers(tmp_path / "t1"), _answers(tmp_path / "t2"), _answers(tmp_path / "greedy")
+    assert a == b  # the same seed repeats every answer, transformers' included
+    for m in ALL:  # and every method really sampled: its answers are not the greedy ones
+        assert any(a[k] != g[k] for k in a if k[0] == m), m
+
+
+def test_prompt_seeds_differ_by_prompt_and_run_seed() -> None:
+    from moaspec.bench.methods import prompt_seed
+
+    assert prompt_seed(5, [1, 2, 3]) == prompt_seed(5, [1, 2, 3])
+    assert len({prompt_seed(5, [1, 2, 3]), prompt_seed(5, [1, 2, 4]), prompt_seed(6, [1, 2, 3])}) == 3

@@ -3,14 +3,17 @@
 moaspec's own decoders (vanilla, MoA and EAGLE-2 drafters with chains or trees) run
 on this project's runtime; transformers' ``generate`` and its built-in accelerators
 run unmodified on the same weights as external peers, with a forward hook counting
-their target calls.
+their target calls. All of them decode greedily, or all sample with the same
+temperature, top-k and top-p (transformers applies them in the same order).
 """
 
 from __future__ import annotations
 
 import time
+import zlib
+from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +22,7 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationResult
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
+from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
@@ -45,25 +49,42 @@ class MethodOptions:
     chain: int = DEFAULT_CHAIN
     confidence: float = DEFAULT_CONFIDENCE  # chains (moa-chain, moa-chain-pld, independent) end below it
     pld_tokens: int = DEFAULT_LOOKUP  # prompt lookup drafts per target forward (pld, moa-pld, moa-chain-pld, hf-pld)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy unless temperature > 0
 
 
-def _ours(target: LoadedModel, strategy: Strategy) -> Method:
+def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int:
+    """A sampling seed for one prompt, derived from the run's seed and the prompt's ids.
+
+    Every method answering a prompt starts from the same seed, and a rerun repeats each
+    answer, while different prompts (and later turns) still draw different numbers.
+    """
+    return zlib.crc32(array("q", list(prompt)).tobytes(), (seed or 0) & 0xFFFFFFFF)
+
+
+def _ours(target: LoadedModel, strategy: Strategy, sampling: SamplingParams) -> Method:
     def method(prompt: Sequence[int], max_new: int) -> GenerationResult:
-        return strategy.run(target, prompt, GenerationConfig(max_new_tokens=max_new))
+        params = sampling if sampling.greedy else replace(sampling, seed=prompt_seed(sampling.seed, prompt))
+        return strategy.run(target, prompt, GenerationConfig(max_new_tokens=max_new, sampling=params))
     return method
 
 
-def _hf(target: LoadedModel, hf: object, **kwargs: object) -> Method:
-    """transformers ``generate`` (greedy), its target forwards counted by a hook."""
+def _hf(target: LoadedModel, hf: object, sampling: SamplingParams, **kwargs: object) -> Method:
+    """transformers ``generate``, greedy or sampling as ``sampling`` says, its target forwards counted by a hook."""
     calls = [0]
     hf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))  # type: ignore[attr-defined]
     eos = stop_token_ids(target.model, target.tokenizer)
+    if sampling.greedy:
+        kwargs["do_sample"] = False
+    else:  # top_k=0 switches off transformers' default of 50, as it is off here
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
 
     def method(prompt: Sequence[int], max_new: int) -> GenerationResult:
         calls[0] = 0
+        if not sampling.greedy:
+            torch.manual_seed(prompt_seed(sampling.seed, prompt))
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new, do_sample=False,  # type: ignore[attr-defined]
+            out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new,  # type: ignore[attr-defined]
                               **kwargs)[0, len(prompt):].tolist()
         total = time.perf_counter() - t0
         finish = "length"
@@ -123,33 +144,37 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
     if {"independent", "hf-assisted"} & set(names):
         independent = require_drafter(opts.independent_drafter, IndependentDrafter, "independent / hf-assisted", target)
     hf = None
+
+    def ours(strategy: Strategy) -> Method:
+        return _ours(target, strategy, opts.sampling)
+
     for name in names:
         if name == "vanilla":
-            methods[name] = _ours(target, Strategy())
+            methods[name] = ours(Strategy())
         elif name == "moa":
-            methods[name] = _ours(target, Strategy(moa, tree=opts.tree))
+            methods[name] = ours(Strategy(moa, tree=opts.tree))
         elif name == "moa-chain":
-            methods[name] = _ours(target, Strategy(moa, chain=opts.chain, confidence=opts.confidence))
+            methods[name] = ours(Strategy(moa, chain=opts.chain, confidence=opts.confidence))
         elif name == "moa-pld":
-            methods[name] = _ours(target, Strategy(moa, tree=opts.tree, lookup=opts.pld_tokens))
+            methods[name] = ours(Strategy(moa, tree=opts.tree, lookup=opts.pld_tokens))
         elif name == "moa-chain-pld":
-            methods[name] = _ours(target, Strategy(moa, chain=opts.chain, lookup=opts.pld_tokens, confidence=opts.confidence))
+            methods[name] = ours(Strategy(moa, chain=opts.chain, lookup=opts.pld_tokens, confidence=opts.confidence))
         elif name == "pld":
-            methods[name] = _ours(target, Strategy(lookup=opts.pld_tokens))
+            methods[name] = ours(Strategy(lookup=opts.pld_tokens))
         elif name == "eagle2":
-            methods[name] = _ours(target, Strategy(require_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
+            methods[name] = ours(Strategy(require_drafter(opts.eagle_drafter, EagleDrafter, name, target), tree=opts.tree))
         elif name == "independent":
-            methods[name] = _ours(target, Strategy(independent, chain=opts.chain, confidence=opts.confidence))
+            methods[name] = ours(Strategy(independent, chain=opts.chain, confidence=opts.confidence))
         else:
             if hf is None:
                 from transformers import AutoModelForCausalLM
 
                 hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
             if name == "hf":
-                methods[name] = _hf(target, hf)
+                methods[name] = _hf(target, hf, opts.sampling)
             elif name == "hf-pld":
-                methods[name] = _hf(target, hf, prompt_lookup_num_tokens=opts.pld_tokens)
+                methods[name] = _hf(target, hf, opts.sampling, prompt_lookup_num_tokens=opts.pld_tokens)
             else:
                 assert isinstance(independent, IndependentDrafter)
-                methods[name] = _hf(target, hf, assistant_model=to_hf_llama(independent))
+                methods[name] = _hf(target, hf, opts.sampling, assistant_model=to_hf_llama(independent))
     return methods
