@@ -262,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as lost (default 10)")
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
     c.add_argument("--max-new-tokens", type=int, default=256)
+    _add_sampling_options(c, "seed for sampling (the server's draws, and the client's while it writes alone)")
     c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     c.add_argument("--bundle", default=None, help="run from a client bundle (`moaspec export-client`) instead of the whole target")
     c.add_argument("--network", default=None, metavar="PROFILE",
@@ -304,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--disconnect-drafters", default="", metavar="DIR[,DIR]",
                     help="more MoA drafters (one per N, e.g. --tli-layers 1) for the disconnection study")
     bc.add_argument("--continue-tokens", type=int, default=128, help="tokens the client generates alone after the cut")
+    bc.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy (default); > 0: every method samples (the disconnection study stays greedy)")
+    bc.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    bc.add_argument("--seed", type=int, default=None,
+                    help="seed for sampling (default 0); each prompt's is derived from it, the same for every method")
     bc.add_argument("--port", type=int, default=8790, help="port for the server this command starts")
     bc.add_argument("--no-progress", action="store_true")
     _add_model_options(bc)
@@ -573,7 +579,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     from moaspec.chat import chat_messages, encode_chat
     from moaspec.clientserver.client import RemoteTarget, ServerUnreachable, SplitGeneration
-    from moaspec.decoding import GenerationConfig
+    from moaspec.decoding import GenerationConfig, SamplingParams
     from moaspec.decoding.vanilla import stop_token_ids
     from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.moa import MoADrafter
@@ -582,6 +588,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if prompt is None or not prompt.strip():
         raise PromptError("the prompt is empty")
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+                              sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
     if args.chain < 1 or args.max_new_tokens < 1 or args.timeout <= 0 or args.retries < 0 or args.lookup < 0:
         raise MoaspecError("--chain and --max-new-tokens must be >= 1, --timeout > 0, --retries and --lookup >= 0")
     proxy, cut_after = None, None
@@ -638,7 +646,6 @@ def cmd_client(args: argparse.Namespace) -> int:
                           max_draft=int(info["max_draft"]),
                           lookup=args.lookup, tree=_tree_shape(args), on_piece=piece, on_event=None if args.json else event)
     ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     try:
         result = gen.run(ids, config, loaded.cfg.max_position_embeddings)
     finally:
@@ -701,6 +708,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     from moaspec.bench.methods import require_drafter
     from moaspec.clientserver.bench import run_bench_cs, table
     from moaspec.clientserver.netem import PROFILES
+    from moaspec.decoding import SamplingParams
     from moaspec.decoding.tree import TreeShape
     from moaspec.drafters import shipped_drafter
     from moaspec.drafters.eagle import EagleDrafter
@@ -719,6 +727,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
                            "--disconnect-after >= 0")
     if not 1 <= args.port <= 65535:
         raise MoaspecError(f"--port must be in 1..65535, got {args.port}")
+    sampling = SamplingParams(args.temperature, top_p=args.top_p, seed=0 if args.seed is None else args.seed)
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = _load(args)
     check_first_turns_fit(questions, loaded.tokenizer, loaded.cfg.max_position_embeddings)
@@ -742,7 +751,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
                            disconnect_after=args.disconnect_after,
                            continue_tokens=args.continue_tokens, port=args.port,
                            model_spec=args.model, drafter_path=str(path), more_moa=more, progress=not args.no_progress,
-                           settings=_bench_settings(args, loaded, "port"))
+                           settings=_bench_settings(args, loaded, "port"), sampling=sampling)
     print(table(summary))
     print(f"summary.json in {args.output}")
     return 0

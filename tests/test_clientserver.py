@@ -19,8 +19,9 @@ from moaspec.clientserver import codec
 from moaspec.clientserver.client import RemoteTarget, ServerRefused, SplitGeneration
 from moaspec.clientserver.netem import PROFILES, NetworkProxy, parse_profile
 from moaspec.clientserver.sessions import Limits, SessionStore
-from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.strategy import Strategy
+from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.serving import Engine, create_app
 from servers import running
@@ -70,8 +71,9 @@ def vanilla(tiny_llama, max_new: int) -> list[int]:  # type: ignore[no-untyped-d
 
 def split(tiny_llama, drafter, url: str, max_new: int, **kw):  # type: ignore[no-untyped-def]
     remote = RemoteTarget(url, KEY, timeout=kw.pop("timeout", 10.0), retries=kw.pop("retries", 1), backoff=0.01)
+    sampling = kw.pop("sampling", SamplingParams())
     gen = SplitGeneration(drafter, tiny_llama.tokenizer, remote, set(), max_draft=8, **kw)
-    cfg = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
+    cfg = GenerationConfig(max_new_tokens=max_new, ignore_eos=True, sampling=sampling)
     result = gen.run(PROMPT, cfg, tiny_llama.cfg.max_position_embeddings)
     remote.shutdown()
     return result
@@ -147,7 +149,7 @@ def test_the_memory_from_the_server_is_what_the_drafter_computes_locally(tiny_ll
 def test_draft_trees_over_the_network_are_lossless(tiny_llama, request, kind, lookup) -> None:  # type: ignore[no-untyped-def]
     """The server verifies a whole tree under a tree mask and keeps the accepted branch; the client
     drafts what it would draft next to the target, for every kind of drafter."""
-    from moaspec.decoding.tree import TreeShape, generate_tree
+    from moaspec.decoding.tree import generate_tree
     from moaspec.drafters.proposers import proposer_for
 
     d = request.getfixturevalue({"moa": "drafter", "tli": "tli_drafter"}.get(kind, kind))
@@ -164,7 +166,6 @@ def test_draft_trees_over_the_network_are_lossless(tiny_llama, request, kind, lo
 
 @pytest.mark.parametrize("kind", ["drafter", "tli_drafter"])
 def test_a_tree_client_generates_alone_and_is_lossless_once_the_server_is_back(tiny_llama, request, kind) -> None:  # type: ignore[no-untyped-def]
-    from moaspec.decoding.tree import TreeShape
 
     drafter = request.getfixturevalue(kind)
     with running(make_app(tiny_llama, drafter)) as url:
@@ -333,6 +334,29 @@ def test_generation_is_lossless_again_once_the_server_is_back(tiny_llama, drafte
     assert any("reachable again" in e for e in events)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_sampling_client_repeats_with_its_seed_even_through_a_cut(tiny_llama, drafter, tree) -> None:  # type: ignore[no-untyped-def]
+    """The server samples the target's tokens (the distribution itself is tested on the session
+    store, test_sampling_distribution.py); the client drafts greedily online and samples offline."""
+    hot = SamplingParams(temperature=0.6, seed=11)
+    shape = TreeShape(depth=2, top_k=2, total=4) if tree else None
+    with running(make_app(tiny_llama, drafter)) as url:
+        first = split(tiny_llama, drafter, url, 40, draft_len=3, sampling=hot, tree=shape)
+        again = split(tiny_llama, drafter, url, 40, draft_len=3, sampling=hot, tree=shape)
+        other = split(tiny_llama, drafter, url, 40, draft_len=3, sampling=SamplingParams(temperature=0.6, seed=12),
+                      tree=shape)
+        proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
+        try:
+            cut = split(tiny_llama, drafter, proxy.url, 40, draft_len=3, timeout=2.0, retry_every=2, sampling=hot,
+                        tree=shape, on_piece=cut_after(proxy, 5, restore_after=4))
+        finally:
+            proxy.stop()
+    assert first.token_ids == again.token_ids != other.token_ids  # the seed decides every draw
+    assert first.token_ids != vanilla(tiny_llama, 40)  # it sampled
+    assert sum(first.accepted_lengths) - len(first.accepted_lengths) > 0  # greedy drafts are accepted sometimes
+    assert len(cut.token_ids) == 40 and cut.offline_tokens > 0 and cut.resyncs >= 1 and cut.unverified == 0
+
+
 def test_the_client_cannot_start_without_a_server(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
     from moaspec.errors import MoaspecError
 
@@ -366,6 +390,10 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "target_layers": tiny_llama.cfg.num_layers}}, 400,
              "target_layers must be in 0.."),
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "target_layers": -1}}, 400, "target_layers"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temperature": -1}}}, 400, "temperature"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temperature": 1, "top_p": 0}}}, 400, "top_p"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temperature": 1, "seed": 2**64}}}, 400, "seed"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temp": 1}}}, 400, "temp"),
             (("POST", "/sessions"), {"content": b"{oops", "headers": {"Content-Type": "application/json"}}, 400, "JSON"),
             (("POST", "/sessions"), {"json": {"prompt": [1] * 5000}}, 413, "limit"),
             (("POST", "/sessions"), {"json": {"prompt": [1] * 300}}, 413, "at most"),
@@ -487,6 +515,13 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         assert jsonlib.loads(capsys.readouterr().out)["text"] == out["text"]  # lookup on (the default) or off
         assert main([*args, "--drafter", str(path), "--tree", "--tree-depth", "3", "--json", "The quick brown fox"]) == 0
         assert jsonlib.loads(capsys.readouterr().out)["text"] == out["text"]  # trees instead of chains
+        hot = ["--temperature", "0.8", "--top-p", "0.95", "--seed", "3", "--json", "The quick brown fox"]
+        assert main([*args, "--drafter", str(path), *hot]) == 0
+        sampled = jsonlib.loads(capsys.readouterr().out)
+        assert main([*args, "--drafter", str(path), *hot]) == 0
+        assert jsonlib.loads(capsys.readouterr().out)["text"] == sampled["text"] and sampled["new_tokens"] == 12
+        assert main([*args, "--drafter", str(path), "--temperature", "0.8", "--seed", "-1", "hi"]) == 2
+        assert "seed must be in" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--lookup", "-1", "hi"]) == 2
         assert "--lookup" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--network", "3g", "hi"]) == 2
@@ -545,6 +580,13 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
                  "--output", str(tmp_path / "o7")]) == 0
     trees = jsonlib.loads((tmp_path / "o7" / "summary.json").read_text())
     assert trees["setup"]["tree"]["depth"] == 3 and trees["profiles"]["lan"]["moa-tree"]["new_tokens"] > 0
+    hot = ["--temperature", "0.9", "--top-p", "0.9", "--seed", "2", "--disconnect-after", "0", "--profiles", "lan"]
+    assert main([*args[:-3], "--methods", "moa,api", *hot, "--output", str(tmp_path / "o8")]) == 0
+    sampled = jsonlib.loads((tmp_path / "o8" / "summary.json").read_text())
+    assert sampled["setup"]["sampling"] == {"temperature": 0.9, "top_p": 0.9, "seed": 2}
+    assert all(sampled["profiles"]["lan"][m]["new_tokens"] > 0 for m in ("moa", "api"))
+    assert main([*args[:-3], "--temperature", "-1", "--output", str(tmp_path / "o9")]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
     assert main([*args[:-3], "--disconnect-drafters", str(path), "--output", str(tmp_path / "o6")]) == 2
     assert "one MoA drafter per N" in capsys.readouterr().err
     assert main([*args[:-3], "--lookup", "0", "--output", str(tmp_path / "o5")]) == 2

@@ -124,3 +124,55 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
         assert runs // 10 < shortened[0] < 9 * runs // 10, shortened
     assert chi_square_p(got2, want2) > 1e-3
     assert chi_square_p(got3, want3) > 1e-3
+
+
+
+@pytest.mark.parametrize("drafts", ["fixed", "sampled", "tree"])
+def test_a_client_server_session_samples_the_targets_distribution(small_vocab, drafts: str) -> None:  # type: ignore[no-untyped-def]
+    """A sampling session verifies drafts as point masses: the tokens follow the target whatever chose them.
+
+    ``fixed``: the target's greedy chain (a client drafts its drafter's most likely
+    tokens); ``sampled``: drafts drawn from another distribution (what a
+    client writes alone while the server is unreachable, then sends once it is back);
+    ``tree``: a two-branch tree, verified by multi-draft rejection sampling.
+    """
+    from pathlib import Path
+
+    from moaspec.clientserver.sessions import SessionStore
+    from moaspec.models.loading import LoadedModel
+
+    model, _ = small_vocab
+    store = SessionStore(LoadedModel(model, LetterTokenizer(), model.cfg, Path("small")))
+    want2, want3 = exact_marginals(model, WARPED)
+    got2, got3 = torch.zeros(V), torch.zeros(V)
+    other = torch.Generator().manual_seed(99)
+    accepted = 0
+    for seed in range(2000):
+        params = SamplingParams(WARPED.temperature, WARPED.top_k, WARPED.top_p, seed)
+        answer = store.open(PROMPT, "none", sampling=params)
+        tokens = PROMPT + [answer["token"]]
+        while len(tokens) < len(PROMPT) + 3:
+            if drafts == "tree":  # the root's two likeliest children, the first with its likeliest child
+                a, c = likeliest(model, tokens, 2)
+                nodes, parents = [a, likeliest(model, tokens + [a], 1)[0], c], [0, 1, 0]
+            elif drafts == "fixed":  # the target's own greedy chain: the best a greedy drafter can do
+                a = likeliest(model, tokens, 1)[0]
+                nodes, parents = [a, likeliest(model, tokens + [a], 1)[0]], None
+            else:
+                nodes, parents = torch.randint(0, V, (2,), generator=other).tolist(), None
+            out = store.verify(answer["session"], len(tokens), nodes, parents=parents)
+            path = out["path"] if parents is not None else list(range(1, out["accepted"] + 1))
+            new = [nodes[i - 1] for i in path] + [out["token"]]
+            accepted += len(new) - 1
+            tokens += new
+        store.close(answer["session"])
+        got2[tokens[len(PROMPT) + 1]] += 1
+        got3[tokens[len(PROMPT) + 2]] += 1
+    assert accepted > 200, f"{accepted} accepted drafts: too few for the test to mean anything"
+    assert chi_square_p(got2, want2) > 1e-3
+    assert chi_square_p(got3, want3) > 1e-3
+
+
+def likeliest(model: Transformer, tokens: list[int], k: int) -> list[int]:
+    logits = model(torch.tensor([tokens]), model.new_cache(len(tokens)), logits_at=slice(-1, None)).logits[0, -1]
+    return logits.topk(k).indices.tolist()

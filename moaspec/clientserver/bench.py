@@ -6,12 +6,15 @@ emulated link sits between them. Where the machine has two cores or more, the se
 is pinned to one and the client to another, so that they never share a CPU.
 
 Methods:
-  ``moa``     the MoA drafter on the client, the target on the server (``/cs/v1``), greedy
+  ``moa``     the MoA drafter on the client, the target on the server (``/cs/v1``)
   ``moa-pld`` the same, with prompt lookup's copies sent instead of the drafter's chain where they exist
   ``eagle2``  an EAGLE drafter on the client, fed the target's hidden states by the server
   ``independent``  an independent small model on the client (classic speculative decoding): no state travels
+  ``moa-tree`` the same, sending EAGLE-2 dynamic draft trees instead of chains
   ``api``     the server decodes alone and streams tokens (``/v1/chat/completions``)
-Drafting is in chains on both drafter methods (trees do not cross the network yet).
+Every method decodes greedily, or samples with the same temperature and top-p (each
+prompt's seed derived from the run's, the same for every method); the disconnection
+study stays greedy, since it scores the continuation against the target's greedy one.
 
 Per profile and method, ``summary.json`` holds ``tokens_per_s``, ``ttft_s``,
 ``server_calls_per_100_tokens`` and ``bytes_per_token`` (request and response bodies).
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +41,11 @@ import httpx
 import torch
 
 from moaspec.bench.journal import Journal
+from moaspec.bench.methods import prompt_seed
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import NetworkProxy, Profile
-from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.tree import TreeShape
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters.base import Drafter
@@ -82,10 +87,13 @@ class ServerProcess:
         self.proc.wait(30)
 
 
-def _api(url: str, prompt: str, max_new: int) -> dict[str, Any]:
+def _api(url: str, prompt: str, max_new: int, sampling: SamplingParams = SamplingParams()) -> dict[str, Any]:
     """One streamed chat completion, timed from the request; counts bytes on the wire (bodies)."""
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-            "max_tokens": max_new, "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {"model": "default", "messages": [{"role": "user", "content": prompt}],
+                            "temperature": sampling.temperature, "max_tokens": max_new, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if not sampling.greedy:
+        body.update(top_p=sampling.top_p, seed=sampling.seed)
     t0 = time.perf_counter()
     ttft, received, tokens, calls = None, 0, 0, 0
     with httpx.Client(timeout=600) as http:
@@ -110,11 +118,12 @@ def _api(url: str, prompt: str, max_new: int) -> dict[str, Any]:
 
 
 def _split(target: LoadedModel, drafter: Drafter, url: str, ids: Sequence[int], max_new: int, chain: int,
-           fmt: str, lookup: int = 0, tree: TreeShape | None = None, confidence: float = 0.0) -> dict[str, Any]:
+           fmt: str, lookup: int = 0, tree: TreeShape | None = None, confidence: float = 0.0,
+           sampling: SamplingParams = SamplingParams()) -> dict[str, Any]:
     remote = RemoteTarget(url, timeout=30)
     gen = SplitGeneration(drafter, target.tokenizer, remote, stop_token_ids(target.model, target.tokenizer),
                           draft_len=chain, fmt=fmt, lookup=lookup, tree=tree, confidence=confidence)
-    r = gen.run(ids, GenerationConfig(max_new_tokens=max_new), target.cfg.max_position_embeddings)
+    r = gen.run(ids, GenerationConfig(max_new_tokens=max_new, sampling=sampling), target.cfg.max_position_embeddings)
     remote.shutdown()
     return {"tokens": len(r.token_ids), "total_s": r.total_s, "ttft_s": r.ttft_s, "server_calls": r.server_calls,
             "bytes": r.bytes_sent + r.bytes_received, "tau": r.tau, "token_ids": r.token_ids}
@@ -180,7 +189,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
                  disconnect_after: int = 32, continue_tokens: int = 128, port: int = 8790,
                  model_spec: str | None = None, drafter_path: str | None = None,
                  more_moa: Sequence[tuple[str, Drafter]] = (), progress: bool = True,
-                 settings: dict[str, Any] | None = None) -> dict[str, Any]:
+                 settings: dict[str, Any] | None = None, sampling: SamplingParams = SamplingParams()) -> dict[str, Any]:
     """``drafters`` maps each drafter method (moa, eagle2, independent) to its drafter; api is server-side.
 
     Every question's runs (all methods, one profile) and every disconnection study go to
@@ -192,8 +201,11 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     dynamic trees ``moa-tree`` sends instead of chains (the disconnection study keeps chains
     of ``chain``, whatever ``confidence`` the timed chains end at).
     ``more_moa`` (path, drafter): further MoA drafters, e.g. other N, that the
-    disconnection study runs too (labelled by N, like the main one).
+    disconnection study runs too (labelled by N, like the main one). ``sampling``: how
+    the timed runs pick tokens (greedy by default; top-k is refused, as the API refuses it).
     """
+    if sampling.top_k:
+        raise MoaspecError("bench-cs samples with temperature and top-p only: its api baseline (the OpenAI API) has no top-k")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)} for bench-cs; available: {', '.join(METHODS)}")
@@ -210,6 +222,8 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     summary: dict[str, Any] = {"profiles": {}, "disconnect": {}, "setup": {
         "questions": len(questions), "max_new_tokens": max_new, "chain": chain, "draft_confidence": confidence,
         "state_format": fmt,
+        **({} if sampling.greedy else {"sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                                    "seed": sampling.seed}}),
         **({"tree": {"depth": tree.depth, "top_k": tree.top_k, "total": tree.total}} if "moa-tree" in methods else {}),
         **({"moa_drafter": drafter_path, "moa_tli_layers": drafters["moa"].cfg.tli_layers}  # type: ignore[attr-defined]
            if "moa" in drafters else {}),
@@ -243,15 +257,17 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
             try:
                 for i in todo:
                     q, ids = prompts[i]
+                    params = sampling if sampling.greedy else replace(sampling, seed=prompt_seed(sampling.seed, ids))
                     rows: dict[str, dict[str, Any]] = {}
                     for m in methods:  # back to back per question, so drift hits both alike
                         assert proxy is not None
                         if m in clients:
                             drafter, n, shape = clients[m]
-                            rows[m] = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n, shape, confidence)
+                            rows[m] = _split(target, drafter, proxy.url, ids, max_new, chain, fmt, n, shape, confidence,
+                                             params)
                             rows[m].pop("token_ids")
                         else:
-                            rows[m] = _api(proxy.url, q.turns[0], max_new)
+                            rows[m] = _api(proxy.url, q.turns[0], max_new, params)
                         bar.update()
                     journal.record(f"{profile.name}/{i}", rows)
             finally:

@@ -17,6 +17,13 @@ unverified tail is sent for verification in pieces; generation continues from th
 first disagreement, so the final text is again exactly the target's greedy output.
 Offline, only the drafter writes: a lookup copy is a guess that needs verifying, and
 copying loops is what an unverified text must not do.
+
+Sampling (a temperature above 0) is the server's business: the session samples the
+target's tokens and verifies each draft as a point mass, which keeps the target's
+distribution for any drafts (:mod:`moaspec.clientserver.sessions`). So online the
+client drafts as it does for greedy decoding (its most likely tokens, the ones most
+often accepted), and only offline does it sample, from its drafter, with the same
+settings; the server verifies that tail like any other drafts when it is back.
 """
 
 from __future__ import annotations
@@ -163,13 +170,16 @@ class RemoteTarget:
         return answer
 
     def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int, layers: int = 0,
-             drafter: str | None = None) -> dict[str, Any]:
+             drafter: str | None = None, sampling: SamplingParams = GREEDY) -> dict[str, Any]:
         body: dict[str, Any] = {"prompt": list(prompt), "state": kind, "state_format": fmt,
                                 "max_new_tokens": max_new_tokens}
         if layers:
             body["target_layers"] = layers
         if drafter:
             body["drafter"] = drafter
+        if not sampling.greedy:
+            body["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                                "seed": sampling.seed}
         return self._request("POST", "/sessions", body)
 
     def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None,
@@ -342,7 +352,7 @@ class SplitResult:
 
 
 class SplitGeneration:
-    """One generation with a local MoA drafter and a remote target (greedy)."""
+    """One generation with a local drafter and a remote target, greedy or sampled (``GenerationConfig.sampling``)."""
 
     def __init__(self, drafter: Drafter, tokenizer: Any, remote: RemoteTarget, eos: set[int], draft_len: int = DEFAULT_CHAIN,
                  fmt: str = "fp16", max_draft: int = 64, retry_every: int = 8, pipeline: bool = True, lookup: int = 0,
@@ -386,7 +396,8 @@ class SplitGeneration:
 
     def _open(self, prompt: Sequence[int], budget: int) -> int:
         layers = self.proposer.layers if isinstance(self.proposer, SplitMoAProposer) else 0
-        answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers, self.fingerprint)
+        answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers, self.fingerprint,
+                                  self.sampling)
         self.session = answer["session"]
         self._take_state(answer, 0)
         return int(answer["token"])
@@ -406,6 +417,8 @@ class SplitGeneration:
     def _run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
         t0 = time.perf_counter()
         self.pipeline_hits = self.state_bytes = 0
+        self.sampling = config.sampling  # the server's; the client samples only while it writes alone
+        self.generator = None if config.sampling.greedy else config.sampling.generator()
         budget = min(config.max_new_tokens, context - len(prompt_ids))
         on_piece = self.on_piece
         self.sink = sink = TokenSink(self.tokenizer, config, self.eos, budget, None, on_piece=(
@@ -459,7 +472,8 @@ class SplitGeneration:
             room = budget - len(sink.tokens) - len(tail)
             finished = room <= 0 or any(t in self.eos for t in tail)
             if not finished:  # extend the unverified tail with the drafter alone
-                alone = self._draft(max(1, min(self.retry_every, room, self.view.capacity - len(self.tokens) - 1)))
+                alone = self._draft(max(1, min(self.retry_every, room, self.view.capacity - len(self.tokens) - 1)),
+                                    alone=True)
                 self._extend(alone, offline)
                 offline_tokens += len(alone)
             if self._resync():
@@ -511,12 +525,18 @@ class SplitGeneration:
                 return copied
         return self._draft(self._room(self.draft_len + guess, len(in_flight) + guess), in_flight)
 
-    def _draft(self, n: int, after: list[int] | None = None) -> list[int]:
-        """``n`` drafts by the drafter, continuing the tokens and then ``after`` (drafts not verified yet)."""
+    def _draft(self, n: int, after: list[int] | None = None, alone: bool = False) -> list[int]:
+        """``n`` drafts by the drafter, continuing the tokens and then ``after`` (drafts not verified yet).
+
+        Its most likely tokens, except ``alone`` (the server unreachable), where the drafter
+        writes the text and samples it as the generation's settings say.
+        """
         if n <= 0:
             return []
         tokens = self.tokens + (after or [])
         self.view.length = len(tokens) - 1
+        if alone:
+            return self.proposer.propose(tokens, n, self.sampling, self.generator).tokens.tolist()
         return self.proposer.propose(tokens, n, GREEDY, None).tokens.tolist()
 
     def _tree_round(self) -> None:

@@ -1,7 +1,8 @@
 """HTTP routes of the client–server protocol (``/cs/v1``), mounted on the same app as the OpenAI API.
 
     GET    /cs/v1/info                    what the server holds: state kind and width, limits, target fingerprint
-    POST   /cs/v1/sessions                {prompt: [ids], state?, state_format?, max_new_tokens?, target_layers?, drafter?}
+    POST   /cs/v1/sessions                {prompt: [ids], state?, state_format?, max_new_tokens?, target_layers?, drafter?,
+                                           sampling?: {temperature, top_k?, top_p?, seed?}}
                                           → {session, token, verified, state[, layers]}
     POST   /cs/v1/sessions/{id}/verify    {verified: n, draft: [ids], parents?: [nodes]}
                                           → {accepted, token, verified, state[, layers][, path]}
@@ -22,7 +23,21 @@ from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from moaspec.clientserver.sessions import SessionError, SessionStore
+from moaspec.decoding.sampling import SamplingParams
 from moaspec.serving.errors import APIError
+
+
+class SamplingRequest(BaseModel):
+    """How the session picks the target's tokens; temperature 0 (the default) is greedy."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(0.0, ge=0, le=100)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
 
 
 class OpenRequest(BaseModel):
@@ -33,6 +48,7 @@ class OpenRequest(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1)
     target_layers: int = Field(0, ge=0)  # send the last N layers' K/V too (a client with Target Layer Inference)
     drafter: str | None = Field(None, max_length=64)  # the client's MoA drafter (fingerprint), if the server holds several
+    sampling: SamplingRequest = SamplingRequest()
 
 
 class VerifyRequest(BaseModel):
@@ -62,7 +78,7 @@ def router(store: SessionStore, auth: Any, workers: int = 2) -> APIRouter:
     @r.post("/sessions")
     async def open_session(req: OpenRequest) -> dict[str, Any]:
         return await _call(limiter, store.open, req.prompt, req.state, req.state_format, req.max_new_tokens,
-                           req.target_layers, req.drafter)
+                           req.target_layers, req.drafter, req.sampling.params())
 
     @r.post("/sessions/{sid}/verify")
     async def verify(sid: str, req: VerifyRequest) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 A session holds one conversation's target KV cache. Opening it prefills the prompt
 and returns the target's first token; each verification scores a client's draft in
-one target forward (greedy) and returns how many drafts were accepted, the target's
-own next token, and the *state* of the newly verified tokens — for MoA the Layer
+one target forward and returns how many drafts were accepted, the target's own next
+token, and the *state* of the newly verified tokens — for MoA the Layer
 Self-Attention memory entries (one d-sized vector per token, computed here next to
 the target's K/V of every layer, so all layers' K/V never travel); for EAGLE the
 target's final hidden states. A client running the target's last N layers itself (a
@@ -12,6 +12,13 @@ verified tokens (``layers``, 2·kv_dim values per token and layer), which its co
 the layers attend to. Requests are checked before any work; a retried
 verification (its response was lost) gets the same answer again instead of
 advancing twice.
+
+A session decodes greedily, or samples with the temperature, top-k and top-p it was
+opened with. Sampled or not, a client's drafts are plain token ids: each is verified as
+a point mass (accepted with the target's probability of it, else the token is drawn
+from the target's distribution without it), which keeps the target's distribution
+whatever chose the draft — the client's greedy chains and trees, or what it sampled
+alone while the server was unreachable — so no draft distribution travels.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from typing import Any
 import torch
 
 from moaspec.clientserver import codec
+from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.tree import DraftTree
-from moaspec.decoding.verify import verify_greedy, verify_tree
+from moaspec.decoding.verify import verify_greedy, verify_sampling, verify_tree
 from moaspec.models.transformer import tree_mask
 from moaspec.drafters.moa import MoADrafter
 from moaspec.models.kv_cache import KVCache
@@ -77,6 +85,8 @@ class Session:
     fmt: str
     layers: int  # the last layers whose K/V the client asked for (Target Layer Inference)
     expires: float
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None  # seeded from sampling.seed; None when greedy
     lock: threading.Lock = field(default_factory=threading.Lock)
     last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # ((verified, draft, parents), answer) for retries
 
@@ -131,12 +141,14 @@ class SessionStore:
 
     @torch.inference_mode()
     def open(self, prompt: Sequence[int], kind: str = "moa", fmt: str = "fp16",
-             max_new_tokens: int | None = None, layers: int = 0, drafter: str | None = None) -> dict[str, Any]:
+             max_new_tokens: int | None = None, layers: int = 0, drafter: str | None = None,
+             sampling: SamplingParams = SamplingParams()) -> dict[str, Any]:
         """Prefill ``prompt``; answer the session id, the first token and the prompt's state.
 
         ``layers``: how many of the target's last layers' K/V to send with every state;
         ``drafter``: the fingerprint of the client's MoA drafter (may be left out when the
-        server holds only one).
+        server holds only one); ``sampling``: how the session picks the target's tokens
+        (greedy by default).
         """
         lim = self.limits
         if not prompt:
@@ -160,13 +172,14 @@ class SessionStore:
                 raise SessionError(503, f"the server holds its maximum of {lim.max_sessions} sessions; retry later")
             sid = secrets.token_urlsafe(16)
             cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
-            s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s)
+            s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s, sampling,
+                        None if sampling.greedy else sampling.generator(self.target.model.device))
             self._sessions[sid] = s
         try:
             with s.lock:
                 out = self.target.model(torch.tensor([list(prompt)], device=self.target.model.device), cache,
                                         logits_at=slice(-1, None))
-                first = int(out.logits[0, -1].argmax())
+                first = select_token(out.logits[0, -1], sampling, s.generator)
                 s.tokens.append(first)
                 first_state = self._state_of(s, 0, len(prompt), out.hidden[0])
         except BaseException:
@@ -222,15 +235,22 @@ class SessionStore:
                 raise SessionError(400, "the session has used its token budget; open a new one")
             start, device = cache.length, self.target.model.device
             nodes = torch.tensor([s.tokens[-1], *draft], dtype=torch.long)
+            greedy, gen = s.sampling.greedy, s.generator
             if parents is None:
                 out = self.target.model(nodes[None].to(device), cache)
-                verdict = verify_greedy(nodes[1:], out.logits[0])
+                drafts = nodes[1:].to(device)
+                if greedy:
+                    verdict = verify_greedy(drafts, out.logits[0])
+                else:  # each draft a point mass: see the module's docstring
+                    point = torch.nn.functional.one_hot(drafts, out.logits.shape[-1]).float()
+                    verdict = verify_sampling(drafts, point, probabilities(out.logits[0], s.sampling), gen)
                 path, token = list(range(1, verdict.accepted + 1)), verdict.next_token
             else:
                 tree = DraftTree.from_parents(nodes.tolist(), [-1, *parents])
                 out = self.target.model(nodes[None].to(device), cache, positions=start + tree.depths.to(device),
                                         mask=tree_mask(start, tree.ancestors().to(device)))
-                path, token = verify_tree(tree.tokens, tree.parents, out.logits[0], True, None)
+                scores = out.logits[0] if greedy else probabilities(out.logits[0], s.sampling)
+                path, token = verify_tree(tree.tokens, tree.parents, scores, greedy, gen)
             kept = [0, *path]
             cache.compact(start, torch.tensor(kept))
             s.tokens += [int(nodes[i]) for i in path] + [token]

@@ -32,6 +32,8 @@ class SamplingParams:
             raise MoaspecError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise MoaspecError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise MoaspecError(f"seed must be in 0..2**63-1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
