@@ -127,14 +127,19 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
 
 
 
-@pytest.mark.parametrize("drafts", ["fixed", "sampled", "tree"])
-def test_a_client_server_session_samples_the_targets_distribution(small_vocab, drafts: str) -> None:  # type: ignore[no-untyped-def]
+CS_CASES = [("fixed", PLAIN), ("sampled", WARPED), ("with-dists", PLAIN), ("tree", PLAIN)]
+
+
+@pytest.mark.parametrize("drafts,params", CS_CASES, ids=[d for d, _ in CS_CASES])
+def test_a_client_server_session_samples_the_targets_distribution(small_vocab, drafts: str,  # type: ignore[no-untyped-def]
+                                                                  params: SamplingParams) -> None:
     """A sampling session verifies drafts as point masses: the tokens follow the target whatever chose them.
 
-    ``fixed``: the target's greedy chain (a client drafts its drafter's most likely
-    tokens); ``sampled``: drafts drawn from another distribution (what a
-    client writes alone while the server is unreachable, then sends once it is back);
-    ``tree``: a two-branch tree, verified by multi-draft rejection sampling.
+    ``fixed``: the target's greedy chain, as point masses; ``sampled``: drafts drawn from
+    another distribution, sent without it (point masses too); ``with-dists``: drafts drawn
+    from a distribution over a few tokens that travels with them, as a sampling client
+    sends its drafts (speculative sampling); ``tree``: a two-branch tree, verified by
+    multi-draft rejection sampling.
     """
     from pathlib import Path
 
@@ -143,13 +148,12 @@ def test_a_client_server_session_samples_the_targets_distribution(small_vocab, d
 
     model, _ = small_vocab
     store = SessionStore(LoadedModel(model, LetterTokenizer(), model.cfg, Path("small")))
-    want2, want3 = exact_marginals(model, WARPED)
+    want2, want3 = exact_marginals(model, params)
     got2, got3 = torch.zeros(V), torch.zeros(V)
     other = torch.Generator().manual_seed(99)
     accepted = 0
     for seed in range(2000):
-        params = SamplingParams(WARPED.temperature, WARPED.top_k, WARPED.top_p, seed)
-        answer = store.open(PROMPT, "none", sampling=params)
+        answer = store.open(PROMPT, "none", sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
         tokens = PROMPT + [answer["token"]]
         while len(tokens) < len(PROMPT) + 3:
             if drafts == "tree":  # the root's two likeliest children, the first with its likeliest child
@@ -160,7 +164,16 @@ def test_a_client_server_session_samples_the_targets_distribution(small_vocab, d
                 nodes, parents = [a, likeliest(model, tokens + [a], 1)[0]], None
             else:
                 nodes, parents = torch.randint(0, V, (2,), generator=other).tolist(), None
-            out = store.verify(answer["session"], len(tokens), nodes, parents=parents)
+            dists = None
+            if drafts == "with-dists":  # each draft from a random distribution over the target's 3 likeliest tokens
+                dists = []
+                for i in range(2):
+                    ids = torch.tensor(likeliest(model, tokens + nodes[:i], 3))
+                    probs = torch.rand(3, generator=other) + 0.1
+                    probs = probs / probs.sum()
+                    nodes[i] = int(ids[torch.multinomial(probs, 1, generator=other)])
+                    dists.append((ids.tolist(), probs.tolist()))
+            out = store.verify(answer["session"], len(tokens), nodes, parents=parents, dists=dists)
             path = out["path"] if parents is not None else list(range(1, out["accepted"] + 1))
             new = [nodes[i - 1] for i in path] + [out["token"]]
             accepted += len(new) - 1

@@ -18,12 +18,13 @@ first disagreement, so the final text is again exactly the target's greedy outpu
 Offline, only the drafter writes: a lookup copy is a guess that needs verifying, and
 copying loops is what an unverified text must not do.
 
-Sampling (a temperature above 0) is the server's business: the session samples the
-target's tokens and verifies each draft as a point mass, which keeps the target's
-distribution for any drafts (:mod:`moaspec.clientserver.sessions`). So online the
-client drafts as it does for greedy decoding (its most likely tokens, the ones most
-often accepted), and only offline does it sample, from its drafter, with the same
-settings; the server verifies that tail like any other drafts when it is back.
+Sampling (a temperature above 0): the session samples the target's tokens, and the
+client samples its drafts from its drafter with the same settings, restricted to the
+drafter's ``DRAFT_SUPPORT`` likeliest tokens, so that each draft's whole distribution
+travels with it in a few hundred bytes and the server verifies it by speculative
+sampling (:mod:`moaspec.clientserver.sessions`). Prompt-lookup copies and tree nodes
+travel without one and are verified as point masses. Offline the drafter writes the
+same way, and the server verifies that tail, distributions included, when it is back.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -41,6 +42,7 @@ import torch
 
 from moaspec.chat import check_fits
 from moaspec.clientserver import codec
+from moaspec.clientserver.sessions import MAX_SUPPORT
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationConfig, TokenSink
 from moaspec.decoding.lookup import MIN_NGRAM_BEFORE_DRAFTER, NgramIndex
@@ -57,6 +59,8 @@ from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 
 GREEDY = SamplingParams()
+DRAFT_SUPPORT = 32  # a sampled draft is drawn from the drafter's likeliest tokens, at most this many
+Dist = tuple[list[int], list[float]] | None  # what a draft was drawn from (token ids, probabilities); None: a point mass
 PieceKind = str  # "target" (the target's own token), "draft" (an accepted draft), "unverified"
 
 
@@ -183,10 +187,12 @@ class RemoteTarget:
         return self._request("POST", "/sessions", body)
 
     def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None,
-               parents: Sequence[int] | None = None) -> dict[str, Any]:
+               parents: Sequence[int] | None = None, dists: Sequence[Dist] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"verified": verified, "draft": list(draft)}
         if parents is not None:
             body["parents"] = list(parents)
+        if dists is not None and any(d is not None for d in dists):
+            body["dists"] = [None if d is None else {"ids": d[0], "probs": d[1]} for d in dists]
         return self._request("POST", f"/sessions/{session}/verify", body, retries)
 
     def close(self, session: str) -> None:
@@ -351,6 +357,15 @@ class SplitResult:
                 "pipeline_hits": self.pipeline_hits}
 
 
+def _sparse(probs: torch.Tensor) -> Dist:
+    """A draft's distribution ``[V]`` as (token ids, probabilities) of the tokens it gives any probability;
+    None (verified as a point mass, still lossless) in the rare case of more than the server takes."""
+    ids = probs.nonzero().squeeze(-1)
+    if len(ids) > MAX_SUPPORT:
+        return None
+    return ids.tolist(), probs[ids].tolist()
+
+
 class SplitGeneration:
     """One generation with a local drafter and a remote target, greedy or sampled (``GenerationConfig.sampling``)."""
 
@@ -417,8 +432,10 @@ class SplitGeneration:
     def _run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
         t0 = time.perf_counter()
         self.pipeline_hits = self.state_bytes = 0
-        self.sampling = config.sampling  # the server's; the client samples only while it writes alone
+        self.sampling = config.sampling  # the server's, sent when the session opens
         self.generator = None if config.sampling.greedy else config.sampling.generator()
+        self.draft_sampling = config.sampling if config.sampling.greedy else replace(
+            config.sampling, top_k=min(config.sampling.top_k or DRAFT_SUPPORT, DRAFT_SUPPORT))
         budget = min(config.max_new_tokens, context - len(prompt_ids))
         on_piece = self.on_piece
         self.sink = sink = TokenSink(self.tokenizer, config, self.eos, budget, None, on_piece=(
@@ -433,11 +450,13 @@ class SplitGeneration:
             raise MoaspecError(f"cannot reach the server to start: {exc}") from None
         ttft = time.perf_counter() - t0
         self.tokens = list(prompt_ids) + [first]  # verified tokens, then the unverified tail
+        self.tail_q: list[Dist] = []  # what each token of the unverified tail was drawn from
         self.verified = len(self.tokens)
         self.accepted: list[int] = []
         offline_tokens = resyncs = 0
         offline: Detokenizer | None = None  # set while the server is unreachable
         drafts: list[int] | None = None  # drafted ahead during the last verification, ready to send
+        dq: list[Dist] = []  # what each of them was drawn from
         sink.push([first])
         while not sink.done:
             if offline is None and self.tree is not None:
@@ -449,32 +468,31 @@ class SplitGeneration:
                 continue
             if offline is None:
                 if drafts is None:
-                    drafts = self._next_drafts([])
-                in_flight = self._pool.submit(self.remote.verify, self.session, self.verified, drafts)
+                    drafts, dq = self._next_drafts([])
+                in_flight = self._pool.submit(self.remote.verify, self.session, self.verified, drafts, None, None, dq)
                 # pipelining: while the server verifies, draft on as if it accepts every draft;
                 # the first of these guesses the target's own token after them
-                ahead = self._next_drafts(drafts) if self.pipeline else []
+                ahead, aq = self._next_drafts(drafts) if self.pipeline else ([], [])
                 try:
                     answer = in_flight.result()
                 except ServerUnreachable as exc:
                     self._event(f"server unreachable ({exc}); generating alone, text unverified")
                     offline = Detokenizer(self.tokenizer)
-                    self._extend(drafts + ahead, offline)  # the unverifiable drafts start the unverified tail
+                    self._extend(drafts + ahead, offline, dq + aq)  # the unverifiable drafts start the unverified tail
                     offline_tokens += len(drafts) + len(ahead)
                     drafts = None
                     continue
                 hit = int(answer["accepted"]) == len(drafts) and ahead[:1] == [int(answer["token"])]
                 self._settle(drafts, answer)
                 self.pipeline_hits += hit
-                drafts = ahead[1:] if hit and len(ahead) > 1 and not sink.done else None
+                drafts, dq = (ahead[1:], aq[1:]) if hit and len(ahead) > 1 and not sink.done else (None, [])
                 continue
             tail = self.tokens[self.verified:]
             room = budget - len(sink.tokens) - len(tail)
             finished = room <= 0 or any(t in self.eos for t in tail)
             if not finished:  # extend the unverified tail with the drafter alone
-                alone = self._draft(max(1, min(self.retry_every, room, self.view.capacity - len(self.tokens) - 1)),
-                                    alone=True)
-                self._extend(alone, offline)
+                alone, q = self._draft(max(1, min(self.retry_every, room, self.view.capacity - len(self.tokens) - 1)))
+                self._extend(alone, offline, q)
                 offline_tokens += len(alone)
             if self._resync():
                 resyncs += 1
@@ -498,9 +516,10 @@ class SplitGeneration:
             pipeline_hits=self.pipeline_hits,
         )
 
-    def _extend(self, drafts: list[int], shown: Detokenizer) -> None:
-        """Append drafts to the unverified tail (and show them as such)."""
+    def _extend(self, drafts: list[int], shown: Detokenizer, dists: list[Dist]) -> None:
+        """Append drafts (drawn from ``dists``) to the unverified tail (and show them as such)."""
         self.tokens += drafts
+        self.tail_q += dists
         self.proposer.commit(len(self.tokens) - 1)
         if self.on_piece and (text := shown.push(drafts)):
             self.on_piece(text, "unverified")
@@ -510,8 +529,9 @@ class SplitGeneration:
         left = self.sink.budget - len(self.sink.tokens) - ahead
         return max(0, min(n, left, self.view.capacity - len(self.tokens) - ahead - 1))
 
-    def _next_drafts(self, in_flight: list[int]) -> list[int]:
-        """The drafts to send next, continuing ``in_flight`` (drafts sent but not verified yet).
+    def _next_drafts(self, in_flight: list[int]) -> tuple[list[int], list[Dist]]:
+        """The drafts to send next, continuing ``in_flight`` (drafts sent but not verified yet), and
+        what each was drawn from.
 
         After drafts in flight, one more is drafted: it guesses the target's own token.
         A prompt-lookup copy goes first where one is found, the drafter's chain otherwise.
@@ -522,22 +542,21 @@ class SplitGeneration:
             n = self._room(self.lookup + guess, len(in_flight) + guess)
             copied = self.index.match(self.tokens + in_flight, n) if n > 0 else []
             if copied:
-                return copied
+                return copied, [None] * len(copied)  # copies are point masses
         return self._draft(self._room(self.draft_len + guess, len(in_flight) + guess), in_flight)
 
-    def _draft(self, n: int, after: list[int] | None = None, alone: bool = False) -> list[int]:
-        """``n`` drafts by the drafter, continuing the tokens and then ``after`` (drafts not verified yet).
-
-        Its most likely tokens, except ``alone`` (the server unreachable), where the drafter
-        writes the text and samples it as the generation's settings say.
-        """
+    def _draft(self, n: int, after: list[int] | None = None) -> tuple[list[int], list[Dist]]:
+        """``n`` drafts by the drafter, continuing the tokens and then ``after`` (drafts not verified yet),
+        and the distributions they were drawn from (point masses when greedy)."""
         if n <= 0:
-            return []
+            return [], []
         tokens = self.tokens + (after or [])
         self.view.length = len(tokens) - 1
-        if alone:
-            return self.proposer.propose(tokens, n, self.sampling, self.generator).tokens.tolist()
-        return self.proposer.propose(tokens, n, GREEDY, None).tokens.tolist()
+        proposal = self.proposer.propose(tokens, n, self.draft_sampling, self.generator)
+        drafts = proposal.tokens.tolist()
+        if proposal.probs is None:
+            return drafts, [None] * len(drafts)
+        return drafts, [_sparse(row) for row in proposal.probs]
 
     def _tree_round(self) -> None:
         """Grow a draft tree from the newest token, have it verified, keep the accepted branch."""
@@ -572,16 +591,19 @@ class SplitGeneration:
         a, token = int(answer["accepted"]), int(answer["token"])
         tail = self.tokens[self.verified:]
         keeps_tail = a == len(chunk) and len(tail) > a and tail[a] == token
-        self._keep(answer, chunk[:a] + [token], a, tail[a + 1:] if keeps_tail else [])
+        self._keep(answer, chunk[:a] + [token], a, tail[a + 1:] if keeps_tail else [],
+                   tail_q=self.tail_q[a + 1:] if keeps_tail else [])
 
     def _keep(self, answer: dict[str, Any], new: list[int], drafted: int, tail: list[int],
-              path: list[int] | None = None) -> None:
-        """``new`` (``drafted`` drafts, then the target's token) is verified; ``tail`` stays unverified after it.
+              path: list[int] | None = None, tail_q: list[Dist] | None = None) -> None:
+        """``new`` (``drafted`` drafts, then the target's token) is verified; ``tail`` (drawn from
+        ``tail_q``) stays unverified after it.
 
         ``path``: the tree nodes ``new`` came from, whose drafter entries are kept.
         """
         self._take_state(answer, self.verified - 1)
         self.tokens[self.verified:] = new + tail
+        self.tail_q = list(tail_q or [])
         self.verified += len(new)
         self.accepted.append(len(new))
         self.proposer.commit(len(self.tokens) - 1, path)
@@ -593,7 +615,8 @@ class SplitGeneration:
             while not self.sink.done and self.tokens[self.verified:]:
                 chunk = self.tokens[self.verified:][: self.max_draft]
                 try:
-                    self._settle(chunk, self.remote.verify(self.session, self.verified, chunk, retries=0))
+                    self._settle(chunk, self.remote.verify(self.session, self.verified, chunk, retries=0,
+                                                           dists=self.tail_q[: len(chunk)]))
                 except ServerRefused as exc:
                     if exc.status not in (404, 409):
                         raise
@@ -601,6 +624,7 @@ class SplitGeneration:
                     first = self._open(self.tokens[: self.verified], max(1, self.sink.budget - len(self.sink.tokens)))
                     agrees = chunk[0] == first
                     self.tokens[self.verified:] = [first] + (self.tokens[self.verified + 1:] if agrees else [])
+                    self.tail_q = self.tail_q[1:] if agrees else []
                     self.verified += 1
                     self.proposer.commit(len(self.tokens) - 1)
                     self.sink.push([first], drafted=int(agrees))

@@ -4,7 +4,7 @@
     POST   /cs/v1/sessions                {prompt: [ids], state?, state_format?, max_new_tokens?, target_layers?, drafter?,
                                            sampling?: {temperature, top_k?, top_p?, seed?}}
                                           → {session, token, verified, state[, layers]}
-    POST   /cs/v1/sessions/{id}/verify    {verified: n, draft: [ids], parents?: [nodes]}
+    POST   /cs/v1/sessions/{id}/verify    {verified: n, draft: [ids], parents?: [nodes], dists?: [{ids, probs} | null]}
                                           → {accepted, token, verified, state[, layers][, path]}
     DELETE /cs/v1/sessions/{id}
 
@@ -22,7 +22,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from moaspec.clientserver.sessions import SessionError, SessionStore
+from moaspec.clientserver.sessions import MAX_SUPPORT, SessionError, SessionStore
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.serving.errors import APIError
 
@@ -51,11 +51,23 @@ class OpenRequest(BaseModel):
     sampling: SamplingRequest = SamplingRequest()
 
 
+class DraftDist(BaseModel):
+    """The distribution one draft was drawn from, over the few tokens it gives probability."""
+
+    model_config = ConfigDict(extra="forbid")
+    ids: list[int] = Field(max_length=MAX_SUPPORT)
+    probs: list[float] = Field(max_length=MAX_SUPPORT)
+
+
 class VerifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     verified: int = Field(ge=1)
     draft: list[int]
     parents: list[int] | None = None  # a draft tree: each node's parent (0: the root, j: draft[j - 1])
+    dists: list[DraftDist | None] | None = None  # sampling sessions' chains: what each draft was drawn from
+
+    def draft_dists(self) -> list[tuple[list[int], list[float]] | None] | None:
+        return None if self.dists is None else [None if d is None else (d.ids, d.probs) for d in self.dists]
 
 
 async def _call(limiter: anyio.CapacityLimiter, fn: Any, *args: Any) -> Any:
@@ -82,7 +94,7 @@ def router(store: SessionStore, auth: Any, workers: int = 2) -> APIRouter:
 
     @r.post("/sessions/{sid}/verify")
     async def verify(sid: str, req: VerifyRequest) -> dict[str, Any]:
-        return await _call(limiter, store.verify, sid, req.verified, req.draft, req.parents)
+        return await _call(limiter, store.verify, sid, req.verified, req.draft, req.parents, req.draft_dists())
 
     @r.delete("/sessions/{sid}", status_code=204)
     async def close(sid: str) -> Response:

@@ -14,11 +14,14 @@ verification (its response was lost) gets the same answer again instead of
 advancing twice.
 
 A session decodes greedily, or samples with the temperature, top-k and top-p it was
-opened with. Sampled or not, a client's drafts are plain token ids: each is verified as
-a point mass (accepted with the target's probability of it, else the token is drawn
-from the target's distribution without it), which keeps the target's distribution
-whatever chose the draft — the client's greedy chains and trees, or what it sampled
-alone while the server was unreachable — so no draft distribution travels.
+opened with. Sampling, a chain's draft may come with the distribution the client drew
+it from (``dists``: at most ``MAX_SUPPORT`` tokens with their probabilities, as a
+client drafting from its top tokens draws them): it is verified by speculative
+sampling, accepted with probability min(1, p/q). A draft without one — a prompt-lookup
+copy, a tree's node, a greedy draft — is verified as a point mass: accepted with the
+target's probability of it, else the token is drawn from the target's distribution
+without it, which keeps the target's distribution whatever chose the draft. Either
+way the tokens follow the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from moaspec.models.transformer import tree_mask
 from moaspec.drafters.moa import MoADrafter
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
+
+MAX_SUPPORT = 64  # most tokens in one draft's distribution (the client sends its top 32)
 
 # (target cache, first position, end position, the target's final hidden states of those positions) → [T, d]
 StateFn = Callable[[KVCache, int, int, torch.Tensor], torch.Tensor]
@@ -208,14 +213,40 @@ class SessionStore:
             raise SessionError(404, "unknown or expired session; open a new one")
         return s
 
+    def _draft_probs(self, draft: Sequence[int], dists: Sequence[tuple[Sequence[int], Sequence[float]] | None],
+                     device: torch.device) -> torch.Tensor:
+        """The dense ``[T, V]`` distributions a chain's drafts were drawn from: each given one as
+        (token ids, probabilities), a point mass on the draft where none is given."""
+        vocab = self.target.cfg.vocab_size
+        if len(dists) != len(draft):
+            raise SessionError(400, f"dists must give one entry (or null) per draft token: {len(draft)}, not {len(dists)}")
+        q = torch.nn.functional.one_hot(torch.tensor(list(draft), dtype=torch.long), vocab).float()
+        for i, dist in enumerate(dists):
+            if dist is None:
+                continue
+            ids, probs = dist
+            if not 0 < len(ids) == len(probs) <= MAX_SUPPORT:
+                raise SessionError(400, f"dists[{i}] must pair 1..{MAX_SUPPORT} token ids with as many probabilities")
+            self._check_ids(ids, f"dists[{i}]")
+            row = torch.tensor(list(probs), dtype=torch.float32)
+            if len(set(ids)) != len(ids) or not bool(torch.isfinite(row).all() and (row > 0).all()) or float(row.sum()) > 1.001:
+                raise SessionError(400, f"dists[{i}] must hold distinct token ids with positive probabilities summing to at most 1")
+            if draft[i] not in ids:
+                raise SessionError(400, f"dists[{i}] gives draft token {draft[i]} no probability: it cannot have been drawn from it")
+            q[i].zero_()
+            q[i, torch.tensor(list(ids), dtype=torch.long)] = row
+        return q.to(device)
+
     @torch.inference_mode()
-    def verify(self, sid: str, verified: int, draft: Sequence[int], parents: Sequence[int] | None = None) -> dict[str, Any]:
+    def verify(self, sid: str, verified: int, draft: Sequence[int], parents: Sequence[int] | None = None,
+               dists: Sequence[tuple[Sequence[int], Sequence[float]] | None] | None = None) -> dict[str, Any]:
         """Score ``draft``, which continues the session's ``verified`` tokens: a chain, or a tree.
 
         A tree gives each draft node's ``parents`` entry: 0 for the newest verified token
         (the root), ``j`` for ``draft[j - 1]``, always an earlier node. The whole tree is
         verified in one forward under a tree mask; the answer's ``path`` names the accepted
-        nodes, and only they stay in the cache.
+        nodes, and only they stay in the cache. ``dists``: for a sampling session's chain, the
+        distribution each draft was drawn from (see the module's docstring).
         """
         s = self._get(sid)
         if len(draft) > self.limits.max_draft:
@@ -223,7 +254,12 @@ class SessionStore:
         self._check_ids(draft, "the draft")
         if parents is not None and (len(parents) != len(draft) or any(not 0 <= p <= i for i, p in enumerate(parents))):
             raise SessionError(400, "parents must give one earlier node per draft token: 0 for the root, j for draft[j - 1]")
-        key = (verified, tuple(draft), None if parents is None else tuple(parents))
+        if dists is not None and (parents is not None or s.sampling.greedy):
+            raise SessionError(400, "dists go with a sampling session's chain only (a tree's nodes, and greedy "
+                                    "verification, need none)")
+        q = None if dists is None else self._draft_probs(draft, dists, self.target.model.device)
+        key = (verified, tuple(draft), None if parents is None else tuple(parents),
+               None if dists is None else repr(dists))
         with s.lock:
             s.expires = time.monotonic() + self.limits.ttl_s
             if s.last is not None and s.last[0] == key:
@@ -241,9 +277,10 @@ class SessionStore:
                 drafts = nodes[1:].to(device)
                 if greedy:
                     verdict = verify_greedy(drafts, out.logits[0])
-                else:  # each draft a point mass: see the module's docstring
-                    point = torch.nn.functional.one_hot(drafts, out.logits.shape[-1]).float()
-                    verdict = verify_sampling(drafts, point, probabilities(out.logits[0], s.sampling), gen)
+                else:  # drafts without a distribution are point masses: see the module's docstring
+                    if q is None:
+                        q = torch.nn.functional.one_hot(drafts, out.logits.shape[-1]).float()
+                    verdict = verify_sampling(drafts, q, probabilities(out.logits[0], s.sampling), gen)
                 path, token = list(range(1, verdict.accepted + 1)), verdict.next_token
             else:
                 tree = DraftTree.from_parents(nodes.tolist(), [-1, *parents])
