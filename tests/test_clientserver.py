@@ -411,9 +411,30 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
             (("GET", "/info"), {"headers": {"Authorization": "Bearer wrong"}}, 401, "Incorrect API key"),
             (("GET", "/info"), {"headers": {"Authorization": ""}}, 401, "didn't provide"),
         ]
+        hot = http.post("/sessions", json={"prompt": PROMPT, "sampling": {"temperature": 1.0, "seed": 1}}).json()
+        hid, hn, verify = hot["session"], hot["verified"], f"/sessions/{hot['session']}/verify"
+        one = {"ids": [1, 2], "probs": [0.5, 0.5]}
+        cases += [
+            (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1], "dists": [one]}}, 400,
+             "sampling session"),
+            (("POST", verify), {"json": {"verified": hn, "draft": [1, 2], "dists": [one]}}, 400, "one entry"),
+            (("POST", verify), {"json": {"verified": hn, "draft": [3], "dists": [one]}}, 400, "no probability"),
+            (("POST", verify), {"json": {"verified": hn, "draft": [1], "dists": [{"ids": [1, 2], "probs": [0.9, 0.9]}]}},
+             400, "summing to at most 1"),
+            (("POST", verify), {"json": {"verified": hn, "draft": [1], "dists": [{"ids": [1, 1], "probs": [0.5, 0.5]}]}},
+             400, "distinct"),
+            (("POST", verify), {"json": {"verified": hn, "draft": [1], "dists": [{"ids": [1, vocab], "probs": [0.5, 0.5]}]}},
+             400, "outside the vocabulary"),
+            (("POST", verify), {"json": {"verified": hn, "draft": [1], "dists": [{"ids": list(range(65)),
+                                                                                  "probs": [0.01] * 65}]}}, 400, "ids"),
+            (("POST", verify), {"json": {"verified": hn, "draft": [1, 2], "parents": [0, 1], "dists": [None, None]}},
+             400, "chain only"),
+        ]
         for (method, path), kw, want, words in cases:
             got, message = status(method, path, **kw)
             assert (got, words in message) == (want, True), (method, path, kw, got, message)
+        ok = http.post(verify, json={"verified": hn, "draft": [1, 5], "dists": [one, None]})
+        assert ok.status_code == 200 and ok.json()["verified"] > hn  # a distribution, then a point mass
         # a retried verification gets the same answer and does not advance the session twice
         first = http.post(f"/sessions/{sid}/verify", json={"verified": n, "draft": [3, 4]}).json()
         again = http.post(f"/sessions/{sid}/verify", json={"verified": n, "draft": [3, 4]}).json()

@@ -93,7 +93,7 @@ class Session:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None  # seeded from sampling.seed; None when greedy
     lock: threading.Lock = field(default_factory=threading.Lock)
-    last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # ((verified, draft, parents), answer) for retries
+    last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # ((verified, draft, parents, dists), answer) for retries
 
 
 class SessionStore:
