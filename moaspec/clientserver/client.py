@@ -469,7 +469,7 @@ class SplitGeneration:
             if offline is None:
                 if drafts is None:
                     drafts, dq = self._next_drafts([])
-                in_flight = self._pool.submit(self.remote.verify, self.session, self.verified, drafts, None, None, dq)
+                in_flight = self._pool.submit(self.remote.verify, self.session, self.verified, drafts, dists=dq)
                 # pipelining: while the server verifies, draft on as if it accepts every draft;
                 # the first of these guesses the target's own token after them
                 ahead, aq = self._next_drafts(drafts) if self.pipeline else ([], [])
