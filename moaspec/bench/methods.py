@@ -61,10 +61,14 @@ def prompt_seed(seed: int | None, prompt: Sequence[int]) -> int:
     return zlib.crc32(array("q", list(prompt)).tobytes(), (seed or 0) & 0xFFFFFFFF)
 
 
+def for_prompt(sampling: SamplingParams, prompt: Sequence[int]) -> SamplingParams:
+    """``sampling`` seeded for one prompt (:func:`prompt_seed`); greedy settings need no seed and stay as they are."""
+    return sampling if sampling.greedy else replace(sampling, seed=prompt_seed(sampling.seed, prompt))
+
+
 def _ours(target: LoadedModel, strategy: Strategy, sampling: SamplingParams) -> Method:
     def method(prompt: Sequence[int], max_new: int) -> GenerationResult:
-        params = sampling if sampling.greedy else replace(sampling, seed=prompt_seed(sampling.seed, prompt))
-        return strategy.run(target, prompt, GenerationConfig(max_new_tokens=max_new, sampling=params))
+        return strategy.run(target, prompt, GenerationConfig(max_new_tokens=max_new, sampling=for_prompt(sampling, prompt)))
     return method
 
 

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ import httpx
 import torch
 
 from moaspec.bench.journal import Journal
-from moaspec.bench.methods import prompt_seed
+from moaspec.bench.methods import for_prompt
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import NetworkProxy, Profile
@@ -257,7 +256,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
             try:
                 for i in todo:
                     q, ids = prompts[i]
-                    params = sampling if sampling.greedy else replace(sampling, seed=prompt_seed(sampling.seed, ids))
+                    params = for_prompt(sampling, ids)
                     rows: dict[str, dict[str, Any]] = {}
                     for m in methods:  # back to back per question, so drift hits both alike
                         assert proxy is not None

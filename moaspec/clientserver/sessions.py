@@ -213,11 +213,12 @@ class SessionStore:
             raise SessionError(404, "unknown or expired session; open a new one")
         return s
 
-    def _draft_probs(self, draft: Sequence[int], dists: Sequence[tuple[Sequence[int], Sequence[float]] | None],
+    def _draft_probs(self, draft: Sequence[int], dists: Sequence[tuple[Sequence[int], Sequence[float]] | None] | None,
                      device: torch.device) -> torch.Tensor:
         """The dense ``[T, V]`` distributions a chain's drafts were drawn from: each given one as
-        (token ids, probabilities), a point mass on the draft where none is given."""
+        (token ids, probabilities), a point mass on the draft where none is given (or ``dists`` is None)."""
         vocab = self.target.cfg.vocab_size
+        dists = [None] * len(draft) if dists is None else dists
         if len(dists) != len(draft):
             raise SessionError(400, f"dists must give one entry (or null) per draft token: {len(draft)}, not {len(dists)}")
         q = torch.nn.functional.one_hot(torch.tensor(list(draft), dtype=torch.long), vocab).float()
@@ -257,7 +258,8 @@ class SessionStore:
         if dists is not None and (parents is not None or s.sampling.greedy):
             raise SessionError(400, "dists go with a sampling session's chain only (a tree's nodes, and greedy "
                                     "verification, need none)")
-        q = None if dists is None else self._draft_probs(draft, dists, self.target.model.device)
+        # a sampling session's chain: what each draft was drawn from (point masses where not given)
+        q = None if s.sampling.greedy or parents is not None else self._draft_probs(draft, dists, self.target.model.device)
         key = (verified, tuple(draft), None if parents is None else tuple(parents),
                None if dists is None else repr(dists))
         with s.lock:
@@ -277,9 +279,8 @@ class SessionStore:
                 drafts = nodes[1:].to(device)
                 if greedy:
                     verdict = verify_greedy(drafts, out.logits[0])
-                else:  # drafts without a distribution are point masses: see the module's docstring
-                    if q is None:
-                        q = torch.nn.functional.one_hot(drafts, out.logits.shape[-1]).float()
+                else:
+                    assert q is not None
                     verdict = verify_sampling(drafts, q, probabilities(out.logits[0], s.sampling), gen)
                 path, token = list(range(1, verdict.accepted + 1)), verdict.next_token
             else:
