@@ -1,9 +1,12 @@
-"""Cost of one target forward by number of new tokens, packed vs plain linears, in one run.
+"""Cost of one target forward by number of new tokens, for each way of running its linears, in one run.
 
 This is the curve that decides chain lengths and tree budgets: how much more a
-verification of T tokens costs than a single decoding step. The table uses the 1-row
-padding as this process measured it; a last line times a 1-token forward with the
-padding forced off and on, alternately.
+verification of T tokens costs than a single decoding step. "measured" is the runtime's
+default (per weight shape and small row count, the kernel this process measured fastest at
+load); the other columns force one kernel for every small product: oneDNN's prepacked
+weights ("packed"), the same on rows zero-padded to ``PAD_ROWS`` ("padded", below
+``PAD_ROWS`` tokens only) and MKL's ``F.linear`` ("plain", which then also runs the larger
+products). The settings alternate within each repeat, so machine noise hits all alike.
 
     .venv/bin/python benchmarks/forward_cost.py --context 200
 """
@@ -13,22 +16,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from moaspec.models import load_model
-from moaspec.models.packed_linear import PAD_ROWS, pack_linears, set_single_row_padding
+from moaspec.models.packed_linear import PAD_ROWS, SmallRowKernels, pack_linears, set_small_row_kernels
 
 
-def elapsed_ms(fn) -> float:  # type: ignore[no-untyped-def]
+def elapsed_ms(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1000
-
-
-def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    return statistics.median_high([elapsed_ms(fn) for _ in range(repeats)])
 
 
 def main() -> None:
@@ -41,44 +40,42 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, device="cpu", with_tokenizer=False).model
+    measured = set_small_row_kernels(None)
+    set_small_row_kernels(measured)
+    print(f"kernels measured at load: {measured}")
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, model.cfg.vocab_size, (1, args.context), generator=gen)
     sizes = [int(s) for s in args.sizes.split(",")]
     cache = model.new_cache(args.context + max(sizes))
     model(prefix, cache)
-    print(f"{'new tokens':>10}{'packed ms':>11}{'plain ms':>10}{'plain/packed':>14}{'packed vs T=1':>15}")
+    names = ["measured", "packed", "padded", "plain"]
+    print(f"{'new tokens':>10}" + "".join(f"{n + ' ms':>13}" for n in names) + f"{'measured vs T=1':>17}")
     base = None
     for T in sizes:
         toks = torch.randint(0, model.cfg.vocab_size, (1, T), generator=gen)
+        settings = {"measured": measured, "packed": SmallRowKernels.uniform("packed"),
+                    "padded": SmallRowKernels.uniform("padded"), "plain": None}
+        if T >= PAD_ROWS:
+            del settings["padded"]
+        times: dict[str, list[float]] = {n: [] for n in settings}
 
         def step() -> None:
             cache.truncate(args.context)
             model(toks, cache)
 
-        res = {}
-        for packed in (True, False):
-            pack_linears(model, enable=packed)
-            res[packed] = median_ms(step, args.repeats)
+        for rep in range(args.repeats + 1):  # the first round warms every path up
+            for name, kernels in settings.items():
+                pack_linears(model, enable=kernels is not None)
+                set_small_row_kernels(kernels or measured)
+                ms = elapsed_ms(step)
+                if rep:
+                    times[name].append(ms)
         pack_linears(model)
-        base = base or res[True]
-        print(f"{T:>10}{res[True]:>11.1f}{res[False]:>10.1f}{res[False] / res[True]:>14.2f}{res[True] / base:>15.2f}")
-    toks = torch.randint(0, model.cfg.vocab_size, (1, 1), generator=gen)
-
-    def one() -> None:
-        cache.truncate(args.context)
-        model(toks, cache)
-
-    padded: dict[bool, list[float]] = {False: [], True: []}
-    for pad in padded:  # warm both paths once
-        set_single_row_padding(pad)
-        one()
-    for _ in range(args.repeats):
-        for pad in padded:
-            set_single_row_padding(pad)
-            padded[pad].append(elapsed_ms(one))
-    plain, pad = (statistics.median_high(v) for v in padded.values())
-    print(f"1 new token, 1-row products padded to {PAD_ROWS} rows: {pad:.1f} ms against {plain:.1f} ms as is "
-          f"({pad / plain:.2f}x)")
+        set_small_row_kernels(measured)
+        res = {n: statistics.median(ts) for n, ts in times.items()}
+        base = base or res["measured"]
+        print(f"{T:>10}" + "".join(f"{res[n]:>13.1f}" if n in res else f"{'-':>13}" for n in names)
+              + f"{res['measured'] / base:>17.2f}")
 
 
 if __name__ == "__main__":

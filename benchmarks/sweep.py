@@ -29,7 +29,7 @@ from moaspec.specbench import load_questions
 import specbench_script  # beside this script
 
 CHAINS = [1, 2, 3, 4, 6]
-TREES = [TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 2, 8), TreeShape(3, 3, 10), TreeShape(4, 3, 12),
+TREES = [TreeShape(2, 2, 3), TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 2, 8), TreeShape(3, 3, 10), TreeShape(4, 3, 12),
          TreeShape(5, 4, 24)]
 VOCABS = [4096]
 LOOKUPS = [5, 10, 16]

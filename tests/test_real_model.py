@@ -13,7 +13,7 @@ import torch
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.models import tree_mask
-from moaspec.models.packed_linear import pack_linears, set_single_row_padding
+from moaspec.models.packed_linear import SmallRowKernels, pack_linears, set_small_row_kernels
 
 pytestmark = pytest.mark.real
 
@@ -55,14 +55,14 @@ def test_tokenizer_loaded_directly_is_autotokenizers(real_model) -> None:  # typ
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-@pytest.mark.parametrize("packed,pad", [(False, False), (True, False), (True, True)])
-def test_logits_match_transformers(real_model, hf, prompt: str, packed: bool, pad: bool) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("packed,kernel", [(False, "plain"), (True, "plain"), (True, "packed"), (True, "padded")])
+def test_logits_match_transformers(real_model, hf, prompt: str, packed: bool, kernel: str) -> None:  # type: ignore[no-untyped-def]
     """Within 1e-4 absolute with the plain fp32 matmuls. oneDNN's prepacked kernels (the default on
     CPU, for speed) sum in another order, which moves a handful of the 1.5 M logits by up to
-    ~1.3e-4 (measured), so that path is held to 2e-4, with 1-row products as they are and padded
+    ~1.3e-4 (measured), so that path is held to 2e-4, with each kernel a small product may run on
     (the incremental steps below are 1-row)."""
     tol = {"atol": 2e-4 if packed else 1e-4, "rtol": 0.0}
-    previous = set_single_row_padding(pad)
+    previous = set_small_row_kernels(SmallRowKernels.uniform(kernel))  # type: ignore[arg-type]
     ids = torch.tensor([encode_chat(real_model.tokenizer, chat_messages(prompt))])
     with torch.no_grad():
         ref = hf(ids).logits
@@ -76,7 +76,7 @@ def test_logits_match_transformers(real_model, hf, prompt: str, packed: bool, pa
         torch.testing.assert_close(inc, ref, **tol)
     finally:
         pack_linears(m)
-        set_single_row_padding(previous)
+        set_small_row_kernels(previous)
 
 
 def test_greedy_equals_transformers_generate(real_model, hf) -> None:  # type: ignore[no-untyped-def]

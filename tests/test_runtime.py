@@ -238,26 +238,30 @@ def test_packed_linear_keeps_gradients(pairs) -> None:  # type: ignore[no-untype
         torch.testing.assert_close(block.mlp(x), y, atol=1e-5, rtol=0)
 
 
-def test_single_row_padding_computes_what_the_unpadded_product_does(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A 1-row product padded to a few rows (faster on some CPUs) gives the same values and shapes; other rows
-    are untouched; and the first large pack measures whether to pad."""
+@pytest.mark.parametrize("kernel", ["plain", "packed", "padded"])
+def test_every_small_row_kernel_computes_the_plain_product(monkeypatch, kernel: str) -> None:  # type: ignore[no-untyped-def]
+    """Whichever kernel runs a small product (MKL, oneDNN's packed weight, or the packed weight on rows
+    padded with zeros) gives the plain product's values and shape, for 1 to 3 rows in any leading shape and
+    for larger products (always packed); and the first large pack measures a kernel per row count."""
     from moaspec.models import packed_linear
 
     lin = packed_linear.Linear(48, 40)
     lin.pack()
     if lin.packed is None:
         pytest.skip("no oneDNN prepacking in this torch build")
-    previous = packed_linear.set_single_row_padding(True)
+    previous = packed_linear.set_small_row_kernels(packed_linear.SmallRowKernels.uniform(kernel))  # type: ignore[arg-type]
     try:
         with torch.no_grad():
-            for shape in [(48,), (1, 48), (1, 1, 48), (3, 48)]:
+            for shape in [(48,), (1, 48), (1, 1, 48), (2, 48), (1, 3, 48), (3, 1, 48), (5, 48), (2, 4, 48)]:
                 x = torch.randn(shape)
                 y = lin(x)
                 assert y.shape == (*shape[:-1], 40)
                 torch.testing.assert_close(y, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=0)
-        packed_linear.set_single_row_padding(None)
+        packed_linear.set_small_row_kernels(None)
         monkeypatch.setattr(packed_linear, "_MEASURE_BYTES", 0)
         packed_linear.pack_linears(torch.nn.Sequential(lin))
-        assert isinstance(packed_linear._pad_single_row, bool)
+        measured = packed_linear._kernels
+        assert measured is not None and len(measured.by_rows) == packed_linear.PAD_ROWS - 1
+        assert set(measured.by_rows) <= set(packed_linear.KERNELS)
     finally:
-        packed_linear.set_single_row_padding(previous)
+        packed_linear.set_small_row_kernels(previous)

@@ -1,33 +1,56 @@
-"""A linear layer that runs inference on oneDNN's prepacked weights when it can.
+"""A linear layer that picks, per row count, the fastest CPU kernel this process measured.
 
-Decoding a small model on a CPU is memory-bound matrix–vector work, and the default
-``F.linear`` path (MKL sgemm on a ``[out, in]`` matrix) reaches about half the machine's
-memory bandwidth for 1 row and less for the 2–64 rows of a verification. Reordering each
-weight once into oneDNN's blocked layout — what ``torch.compile``'s CPU freezing does
-behind the scenes — measured here: 30 layers of SmolLM2 for 1 token in 16 ms instead of
-35 ms, 4 tokens in 13 ms instead of 48 ms, and ``lm_head`` for 1 token in 3.5 ms
-instead of 9.4 ms. The dense weight stays the parameter (state dicts, training and
-gradient flow are unchanged); the packed copy is used only when no gradient is needed.
-
-On some CPUs oneDNN's kernel for a single row streams the weights more slowly than its
-kernel for a few rows (BENCHMARKS.md, "Forward cost by number of new tokens": 4 tokens
-cheaper than 1), so a 1-row product, a decoding or drafting step, is then computed as
-row 0 of a zero-padded block of ``PAD_ROWS`` rows. Whether it pays is measured once per
-process on the first large model packed (:func:`measure_single_row_padding`).
+Decoding a small model on a CPU is memory-bound matrix–vector work: each product streams
+its whole weight for a handful of rows. Two kernels do it. ``F.linear`` (MKL sgemm on a
+``[out, in]`` matrix) is quick for one to three rows on some CPUs and slow from four on;
+oneDNN's prepacked weights (its blocked layout, what ``torch.compile``'s CPU freezing uses
+behind the scenes) are far faster for the 4–64 rows of a verification (4 tokens: 13 ms
+instead of 48 ms for SmolLM2's 30 layers, BENCHMARKS.md) but on some CPUs slower for one
+row than for four, and on others slower than MKL for one to three rows (a fixed cost per
+call shows on small matrices). So a product of 1 to ``PAD_ROWS - 1`` rows runs through
+whichever of three kernels was fastest *for that row count*: MKL on the dense weight
+("plain"), the packed weight ("packed"), or the packed weight on a zero-padded block of
+``PAD_ROWS`` rows ("padded"); larger products always run packed. The
+choice is measured once per process on the first large model packed
+(:func:`measure_small_row_kernels`). The dense weight stays the parameter (state dicts,
+training and gradient flow are unchanged); the packed copy is used only when no gradient
+is needed.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+Kernel = Literal["plain", "packed", "padded"]
+KERNELS: tuple[Kernel, ...] = ("plain", "packed", "padded")
 PAD_ROWS = 4
+SMALL_ROWS = tuple(range(1, PAD_ROWS))  # row counts whose kernel is chosen by measurement
 _MEASURE_BYTES = 32 * 2**20  # smaller models fit in cache: their timings say nothing of decoding's
-_pad_single_row: bool | None = None  # None: not measured yet (no padding)
+_MARGIN = 0.95  # another kernel replaces the packed one only when at least 5% faster (timings are noisy)
+
+
+@dataclass(frozen=True)
+class SmallRowKernels:
+    """The kernel for each row count in :data:`SMALL_ROWS` (``by_rows[rows - 1]``), for every fp32 weight."""
+
+    by_rows: tuple[Kernel, ...]
+
+    @classmethod
+    def uniform(cls, kernel: Kernel) -> SmallRowKernels:
+        """The same kernel for every small row count (tests and benchmarks force one so)."""
+        return cls((kernel,) * len(SMALL_ROWS))
+
+    def choose(self, rows: int) -> Kernel:
+        return self.by_rows[rows - 1]
+
+
+_kernels: SmallRowKernels | None = None  # None: not measured yet (every product runs packed)
 
 
 def bf16_kernels() -> bool:
@@ -51,6 +74,13 @@ def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _padded_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[rows, in]`` (rows < ``PAD_ROWS``) as the first rows of a zero-padded ``PAD_ROWS``-row block."""
+    padded = x.new_zeros(PAD_ROWS, x.shape[-1])
+    padded[: x.shape[0]] = x
+    return _packed_product(padded, packed, bias)[: x.shape[0]]
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` plus an optional inference-only prepacked copy of its weight."""
 
@@ -66,54 +96,78 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # activations of the weight's dtype only: under CPU autocast (bf16) F.linear casts as autocast wants
-        if (self.packed is not None and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type)
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            # the padding was measured on fp32 weights; oneDNN's bf16 1-row kernel is the faster one here
-            if _pad_single_row and x.dtype == torch.float32 and x.numel() == self.in_features:
-                padded = x.new_zeros(PAD_ROWS, self.in_features)
-                padded[0] = x.reshape(-1)
-                return _packed_product(padded, self.packed, self.bias)[:1].reshape(*x.shape[:-1], self.out_features)
-            return _packed_product(x.contiguous(), self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        if (self.packed is None or x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type)
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        # measured on fp32 weights; oneDNN's bf16 kernels are the fastest for every row count here
+        kernel = _kernels.choose(rows) if (
+            _kernels is not None and rows < PAD_ROWS and x.dtype == torch.float32) else "packed"
+        if kernel == "plain":
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, self.in_features)
+        y = _padded_product(flat, self.packed, self.bias) if kernel == "padded" else _packed_product(
+            flat, self.packed, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def set_single_row_padding(enable: bool | None) -> bool | None:
-    """Force the 1-row padding on or off for this process (``None``: measure again at the next large pack);
+def set_small_row_kernels(kernels: SmallRowKernels | None) -> SmallRowKernels | None:
+    """Use ``kernels`` for this process's small products (``None``: measure again at the next large pack);
     returns the setting it replaces."""
-    global _pad_single_row
-    previous, _pad_single_row = _pad_single_row, enable
+    global _kernels
+    previous, _kernels = _kernels, kernels
     return previous
 
 
-def measure_single_row_padding(linears: list[Linear], repeats: int = 3) -> bool:
-    """Time one 1-row product through every packed weight, as is and padded to ``PAD_ROWS`` rows (interleaved,
-    medians of ``repeats``), and keep the padding when it is at least 5% faster. About 0.2 s for a 135M model."""
+def measure_small_row_kernels(linears: list[Linear], repeats: int = 2) -> SmallRowKernels:
+    """Time each kernel for 1 and for ``PAD_ROWS - 1`` rows through every packed weight in turn, as a forward
+    runs them (the passes interleaved, the fastest of ``repeats`` kept: noise only adds), and keep, per row
+    count, the fastest when it beats the packed kernel by 5%; rows in between take the choice made for
+    ``PAD_ROWS - 1``. A pass streams all the weights, as decoding does, so they come from DRAM, not cache.
+    (Chosen for all weights at once, not per shape: on the Intel Xeon of BENCHMARKS.md a per-shape mix
+    timed apart was slower in a real forward than MKL throughout.) About 0.4 s for a 135M model on one
+    thread, 0.2 s on two."""
     xs = {m.in_features: torch.randn(PAD_ROWS, m.in_features) for m in linears}
+    ends = (SMALL_ROWS[0], SMALL_ROWS[-1])
+    runs: list[tuple[Kernel, int]] = [(k, r) for r in ends for k in ("plain", "packed")] + [("padded", 1)]
+    times: dict[tuple[Kernel, int], list[float]] = {run: [] for run in runs}
 
-    def one_pass(rows: int) -> float:
+    def one_pass(kernel: Kernel, rows: int) -> None:
         t0 = time.perf_counter()
         for m in linears:
+            x = xs[m.in_features][:rows]
             assert m.packed is not None
-            _packed_product(xs[m.in_features][:rows], m.packed, None)
-        return time.perf_counter() - t0
+            if kernel == "plain":
+                F.linear(x, m.weight)
+            elif kernel == "packed":
+                _packed_product(x, m.packed, None)
+            else:
+                _padded_product(x, m.packed, None)
+        times[(kernel, rows)].append(time.perf_counter() - t0)
 
-    times: dict[int, list[float]] = {1: [], PAD_ROWS: []}
     with torch.inference_mode():
         for _ in range(repeats):
-            for rows, ts in times.items():
-                ts.append(one_pass(rows))
-    return statistics.median(times[PAD_ROWS]) < 0.95 * statistics.median(times[1])
+            for run in runs:
+                one_pass(*run)
+
+    def best(rows: int) -> Kernel:
+        # a padded product costs the same whatever the rows it carries: timed once, with 1
+        cost = {k: min(times[(k, 1 if k == "padded" else rows)]) for k in KERNELS}
+        kernel = min(cost, key=cost.__getitem__)
+        return kernel if cost[kernel] < _MARGIN * cost["packed"] else "packed"
+
+    return SmallRowKernels((best(ends[0]),) + (best(ends[1]),) * (len(SMALL_ROWS) - 1))
 
 
 def pack_linears(module: nn.Module, enable: bool = True) -> None:
     """Prepack every :class:`Linear` inside ``module`` (a no-op off CPU, or for dtypes oneDNN cannot pack); ``enable=False`` drops the packs.
 
-    The first time a module with at least 32 MB of packed weights is packed, the 1-row padding is measured
-    on its weights and kept for the process."""
-    global _pad_single_row
+    The first time a module with at least 32 MB of packed fp32 weights is packed, the small-row kernels are
+    measured on its weights and kept for the process."""
+    global _kernels
     linears = [m for m in module.modules() if isinstance(m, Linear)]
     for m in linears:
         m.pack() if enable else m.unpack()
     packed = [m for m in linears if m.packed is not None and m.weight.dtype == torch.float32]
-    if _pad_single_row is None and sum(m.weight.nbytes for m in packed) >= _MEASURE_BYTES:
-        _pad_single_row = measure_single_row_padding(packed)
+    if _kernels is None and sum(m.weight.nbytes for m in packed) >= _MEASURE_BYTES:
+        _kernels = measure_small_row_kernels(packed)
