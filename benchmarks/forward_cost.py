@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from moaspec.models import load_model
-from moaspec.models.packed_linear import PAD_ROWS, SmallRowKernels, pack_linears, set_small_row_kernels
+from moaspec.models.packed_linear import PAD_ROWS, SmallRowKernels, pack_linears, set_small_row_kernels, small_row_kernels
 
 
 def elapsed_ms(fn: Callable[[], None]) -> float:
@@ -40,8 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, device="cpu", with_tokenizer=False).model
-    measured = set_small_row_kernels(None)
-    set_small_row_kernels(measured)
+    measured = small_row_kernels()
     print(f"kernels measured at load: {measured}")
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, model.cfg.vocab_size, (1, args.context), generator=gen)

@@ -242,7 +242,8 @@ def test_packed_linear_keeps_gradients(pairs) -> None:  # type: ignore[no-untype
 def test_every_small_row_kernel_computes_the_plain_product(monkeypatch, kernel: str) -> None:  # type: ignore[no-untyped-def]
     """Whichever kernel runs a small product (MKL, oneDNN's packed weight, or the packed weight on rows
     padded with zeros) gives the plain product's values and shape, for 1 to 3 rows in any leading shape and
-    for larger products (always packed); and the first large pack measures a kernel per row count."""
+    for larger products (always packed); and the first large pack given a forward measures a kernel per row
+    count with it."""
     from moaspec.models import packed_linear
 
     lin = packed_linear.Linear(48, 40)
@@ -259,9 +260,29 @@ def test_every_small_row_kernel_computes_the_plain_product(monkeypatch, kernel: 
                 torch.testing.assert_close(y, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=0)
         packed_linear.set_small_row_kernels(None)
         monkeypatch.setattr(packed_linear, "_MEASURE_BYTES", 0)
-        packed_linear.pack_linears(torch.nn.Sequential(lin))
+        calls: list[int] = []
+        packed_linear.pack_linears(torch.nn.Sequential(lin), forward=lambda rows: calls.append(lin(torch.randn(rows, 48)).shape[0]))
         measured = packed_linear._kernels
+        assert set(calls) == {1, packed_linear.PAD_ROWS - 1}  # timed forwards of 1 and 3 rows
         assert measured is not None and len(measured.by_rows) == packed_linear.PAD_ROWS - 1
         assert set(measured.by_rows) <= set(packed_linear.KERNELS)
     finally:
         packed_linear.set_small_row_kernels(previous)
+
+
+@pytest.mark.parametrize("first_block", [0, 1])
+def test_kernel_timing_forward_runs_whole_and_partial_models(pairs, first_block: int) -> None:  # type: ignore[no-untyped-def]
+    """The forward the small-row kernels are timed with runs 1 to 3 tokens through whatever blocks a model
+    holds: a whole target, or a client's last layers (Target Layer Inference), without touching its
+    embeddings."""
+    from moaspec.models.loading import _timing_forward
+    from moaspec.models.transformer import Transformer
+
+    whole = pairs["llama"][0]
+    model = Transformer(whole.cfg, first_block=first_block).eval()
+    calls: list[int] = []
+    model.lm_head.register_forward_hook(lambda mod, inp, out: calls.append(out.shape[1]))
+    run = _timing_forward(model)
+    for rows in (1, 2, 3):
+        run(rows)
+    assert calls == [1, 2, 3]

@@ -20,6 +20,7 @@ from moaspec.bench.methods import Method
 from moaspec.chat import encode_chat
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
+from moaspec.models.packed_linear import small_row_kernels
 from moaspec.progress import progress_bar
 from moaspec.specbench import Question
 
@@ -135,8 +136,10 @@ def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[
             bar.update(1)
         rows.extend(journal.record(str(i), answers))
     bar.close()
+    kernels = small_row_kernels()  # what products of 1, 2, 3 rows ran on, as measured at load
     summary = {"methods": names, "max_new_tokens": max_new, "questions": len(questions), "resumed_questions": resumed,
-               "greedy": greedy, "results": summarise(rows, names, greedy), "accepted_histogram": accepted_histograms(rows)}
+               "greedy": greedy, "small_row_kernels": kernels and list(kernels.by_rows),
+               "results": summarise(rows, names, greedy), "accepted_histogram": accepted_histograms(rows)}
     atomic_write_text(output / "answers.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=1))
     journal.finish()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from safetensors.torch import load_file
 
 from moaspec.errors import ModelLoadError, brief
 from moaspec.models.config import ModelConfig
-from moaspec.models.packed_linear import pack_linears
-from moaspec.models.transformer import Transformer
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.packed_linear import PAD_ROWS, pack_linears
+from moaspec.models.transformer import Transformer, causal_mask
 
 
 @dataclass
@@ -177,9 +179,27 @@ def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     # the RoPE tables are real even under the meta device (rope_tables computes on the CPU): move, not rebuild
     model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
     model.eval().requires_grad_(False)
-    pack_linears(model)
+    pack_linears(model, forward=_timing_forward(model))
     model.fingerprint = weights_id
     return model
+
+
+def _timing_forward(model: Transformer, cached: int = 32) -> Callable[[int], None]:
+    """What the small-row kernels are measured with: ``rows`` tokens through every block ``model`` holds
+    (after ``cached`` cached positions, causally masked, as a chain's verification), the final norm and
+    ``lm_head``. A forward of the blocks, not of the embeddings, so that a client's partial model works too."""
+    cfg = model.cfg
+    cache = KVCache(len(model.blocks), cfg.num_kv_heads, cfg.head_dim, cached + PAD_ROWS, 1, model.dtype, model.device)
+    h = torch.randn(1, PAD_ROWS, cfg.hidden_size, dtype=model.dtype, device=model.device) * 0.1
+
+    def run(rows: int) -> None:
+        cache.length = cached
+        positions = torch.arange(cached, cached + rows, device=model.device)
+        out, _ = model.run_blocks(h[:, :rows], cache, positions, causal_mask(cached, rows, model.device),
+                                  first=model.first_block, cache_layer_offset=model.first_block)
+        model.lm_head(model.final_norm(out))
+
+    return run
 
 
 def fingerprint(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:

@@ -11,7 +11,7 @@ call shows on small matrices). So a product of 1 to ``PAD_ROWS - 1`` rows runs t
 whichever of three kernels was fastest *for that row count*: MKL on the dense weight
 ("plain"), the packed weight ("packed"), or the packed weight on a zero-padded block of
 ``PAD_ROWS`` rows ("padded"); larger products always run packed. The
-choice is measured once per process on the first large model packed
+choice is measured once per process, with forwards of the first large model loaded
 (:func:`measure_small_row_kernels`). The dense weight stays the parameter (state dicts,
 training and gradient flow are unchanged); the packed copy is used only when no gradient
 is needed.
@@ -20,6 +20,7 @@ is needed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,7 +33,7 @@ KERNELS: tuple[Kernel, ...] = ("plain", "packed", "padded")
 PAD_ROWS = 4
 SMALL_ROWS = tuple(range(1, PAD_ROWS))  # row counts whose kernel is chosen by measurement
 _MEASURE_BYTES = 32 * 2**20  # smaller models fit in cache: their timings say nothing of decoding's
-_MARGIN = 0.95  # another kernel replaces the packed one only when at least 5% faster (timings are noisy)
+_MARGIN = 0.97  # another kernel replaces the packed one only when at least 3% faster (timings are noisy)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,11 @@ class Linear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+def small_row_kernels() -> SmallRowKernels | None:
+    """The kernels this process runs small fp32 products on (``None`` before any measurement: packed)."""
+    return _kernels
+
+
 def set_small_row_kernels(kernels: SmallRowKernels | None) -> SmallRowKernels | None:
     """Use ``kernels`` for this process's small products (``None``: measure again at the next large pack);
     returns the setting it replaces."""
@@ -119,55 +125,49 @@ def set_small_row_kernels(kernels: SmallRowKernels | None) -> SmallRowKernels | 
     return previous
 
 
-def measure_small_row_kernels(linears: list[Linear], repeats: int = 2) -> SmallRowKernels:
-    """Time each kernel for 1 and for ``PAD_ROWS - 1`` rows through every packed weight in turn, as a forward
-    runs them (the passes interleaved, the fastest of ``repeats`` kept: noise only adds), and keep, per row
-    count, the fastest when it beats the packed kernel by 5%; rows in between take the choice made for
-    ``PAD_ROWS - 1``. A pass streams all the weights, as decoding does, so they come from DRAM, not cache.
-    (Chosen for all weights at once, not per shape: on the Intel Xeon of BENCHMARKS.md a per-shape mix
-    timed apart was slower in a real forward than MKL throughout.) About 0.4 s for a 135M model on one
-    thread, 0.2 s on two."""
-    xs = {m.in_features: torch.randn(PAD_ROWS, m.in_features) for m in linears}
+def measure_small_row_kernels(forward: Callable[[int], None], repeats: int = 2) -> SmallRowKernels:
+    """Time ``forward(rows)``, a forward of ``rows`` tokens through the packed model, under each kernel for 1
+    and for ``PAD_ROWS - 1`` rows, and keep, per row count, the fastest when it beats the packed kernel by
+    3%; rows in between take the choice made for ``PAD_ROWS - 1``.
+
+    Whole forwards, not the products alone: timed alone, the products understated MKL's lead on the Intel
+    Xeon of BENCHMARKS.md (6% against 12% in a forward), close enough to the margin that a process started
+    beside a busy core chose wrongly. The settings alternate within each repeat, each forward's fastest
+    of ``repeats`` counts (noise only adds). About 0.6 s for a 135M model on one thread, 0.35 s on two."""
     ends = (SMALL_ROWS[0], SMALL_ROWS[-1])
-    runs: list[tuple[Kernel, int]] = [(k, r) for r in ends for k in ("plain", "packed")] + [("padded", 1)]
-    times: dict[tuple[Kernel, int], list[float]] = {run: [] for run in runs}
-
-    def one_pass(kernel: Kernel, rows: int) -> None:
-        t0 = time.perf_counter()
-        for m in linears:
-            x = xs[m.in_features][:rows]
-            assert m.packed is not None
-            if kernel == "plain":
-                F.linear(x, m.weight)
-            elif kernel == "packed":
-                _packed_product(x, m.packed, None)
-            else:
-                _padded_product(x, m.packed, None)
-        times[(kernel, rows)].append(time.perf_counter() - t0)
-
-    with torch.inference_mode():
-        for _ in range(repeats):
-            for run in runs:
-                one_pass(*run)
+    # padding pays where oneDNN's 1-row kernel is the slow one; 3 rows padded to 4 cost what 1 row padded does
+    runs = [(kernel, rows) for rows in ends for kernel in KERNELS if rows == 1 or kernel != "padded"]
+    times: dict[tuple[Kernel, int], float] = dict.fromkeys(runs, float("inf"))
+    global _kernels
+    previous = _kernels
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats):
+                for kernel, rows in runs:
+                    _kernels = SmallRowKernels.uniform(kernel)
+                    t0 = time.perf_counter()
+                    forward(rows)
+                    times[(kernel, rows)] = min(times[(kernel, rows)], time.perf_counter() - t0)
+    finally:
+        _kernels = previous
 
     def best(rows: int) -> Kernel:
-        # a padded product costs the same whatever the rows it carries: timed once, with 1
-        cost = {k: min(times[(k, 1 if k == "padded" else rows)]) for k in KERNELS}
-        kernel = min(cost, key=cost.__getitem__)
-        return kernel if cost[kernel] < _MARGIN * cost["packed"] else "packed"
+        kernel = min((k for k in KERNELS if (k, rows) in times), key=lambda k: times[(k, rows)])
+        return kernel if times[(kernel, rows)] < _MARGIN * times[("packed", rows)] else "packed"
 
     return SmallRowKernels((best(ends[0]),) + (best(ends[1]),) * (len(SMALL_ROWS) - 1))
 
 
-def pack_linears(module: nn.Module, enable: bool = True) -> None:
+def pack_linears(module: nn.Module, enable: bool = True, forward: Callable[[int], None] | None = None) -> None:
     """Prepack every :class:`Linear` inside ``module`` (a no-op off CPU, or for dtypes oneDNN cannot pack); ``enable=False`` drops the packs.
 
-    The first time a module with at least 32 MB of packed fp32 weights is packed, the small-row kernels are
-    measured on its weights and kept for the process."""
+    The first time a module with at least 32 MB of packed fp32 weights is packed with a ``forward`` (a
+    representative forward of a given number of tokens through it), the small-row kernels are measured
+    with it and kept for the process."""
     global _kernels
     linears = [m for m in module.modules() if isinstance(m, Linear)]
     for m in linears:
         m.pack() if enable else m.unpack()
     packed = [m for m in linears if m.packed is not None and m.weight.dtype == torch.float32]
-    if _kernels is None and sum(m.weight.nbytes for m in packed) >= _MEASURE_BYTES:
-        _kernels = measure_small_row_kernels(packed)
+    if _kernels is None and forward is not None and sum(m.weight.nbytes for m in packed) >= _MEASURE_BYTES:
+        _kernels = measure_small_row_kernels(forward)
