@@ -8,7 +8,8 @@ default decodings at smaller draft vocabularies; ``--grid lookup``
 sweeps prompt lookup's length alone, before chains of the drafter, and grafted onto
 its smallest tree; ``--grid ngram`` the shortest lookup match that counts; ``--grid
 confidence`` longer chains cut where the drafter's probability falls below a threshold;
-``--grid dtype`` the default decodings with the drafter in its drafting dtype and in fp32.
+``--grid dtype`` the default decodings with the drafter in its drafting dtype and in fp32;
+``--grid small`` the smallest chains and trees, alone and after lookup.
 
     .venv/bin/python benchmarks/sweep.py --grid drafter --per-file 2 --max-new-tokens 128
 """
@@ -95,7 +96,18 @@ def dtype_grid(drafters: list[Drafter]) -> dict[str, Strategy]:
     return grid
 
 
-GRIDS = {"lookup": lookup_grid, "ngram": ngram_grid, "confidence": confidence_grid}  # grids of the full drafter alone
+def small_grid(full: Drafter) -> dict[str, Strategy]:
+    """The smallest chains and trees, alone and after lookup: 2- to 4-token verifications, where the kernel a
+    product runs on changes on some CPUs (3 rows on MKL, 4 packed on the Intel Xeon of BENCHMARKS.md)."""
+    grid: dict[str, Strategy] = {}
+    for lookup in (0, 10):
+        prefix = f"lookup-{lookup}+" if lookup else ""
+        grid.update({f"{prefix}chain-{c}": Strategy(full, chain=c, lookup=lookup) for c in (1, 2)})
+        grid.update({f"{prefix}tree-2x2-{t}": Strategy(full, tree=TreeShape(2, 2, t), lookup=lookup) for t in (3, 4)})
+    return grid
+
+
+GRIDS = {"lookup": lookup_grid, "ngram": ngram_grid, "confidence": confidence_grid, "small": small_grid}  # grids of the full drafter alone
 VOCAB_SIZES = [4096, 2048]
 
 
