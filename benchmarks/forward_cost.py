@@ -2,8 +2,8 @@
 
 This is the curve that decides chain lengths and tree budgets: how much more a
 verification of T tokens costs than a single decoding step. "measured" is the runtime's
-default (per weight shape and small row count, the kernel this process measured fastest at
-load); the other columns force one kernel for every small product: oneDNN's prepacked
+default (per small row count, the kernel this process measured fastest at load); the
+other columns force one kernel for every small product: oneDNN's prepacked
 weights ("packed"), the same on rows zero-padded to ``PAD_ROWS`` ("padded", below
 ``PAD_ROWS`` tokens only) and MKL's ``F.linear`` ("plain", which then also runs the larger
 products). The settings alternate within each repeat, so machine noise hits all alike.

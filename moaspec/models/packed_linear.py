@@ -138,18 +138,17 @@ def measure_small_row_kernels(forward: Callable[[int], None], repeats: int = 2) 
     # padding pays where oneDNN's 1-row kernel is the slow one; 3 rows padded to 4 cost what 1 row padded does
     runs = [(kernel, rows) for rows in ends for kernel in KERNELS if rows == 1 or kernel != "padded"]
     times: dict[tuple[Kernel, int], float] = dict.fromkeys(runs, float("inf"))
-    global _kernels
-    previous = _kernels
+    previous = small_row_kernels()
     try:
         with torch.inference_mode():
             for _ in range(repeats):
                 for kernel, rows in runs:
-                    _kernels = SmallRowKernels.uniform(kernel)
+                    set_small_row_kernels(SmallRowKernels.uniform(kernel))
                     t0 = time.perf_counter()
                     forward(rows)
                     times[(kernel, rows)] = min(times[(kernel, rows)], time.perf_counter() - t0)
     finally:
-        _kernels = previous
+        set_small_row_kernels(previous)
 
     def best(rows: int) -> Kernel:
         kernel = min((k for k in KERNELS if (k, rows) in times), key=lambda k: times[(k, rows)])
