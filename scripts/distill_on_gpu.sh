@@ -15,7 +15,7 @@
 #        moa-cont-newest, the same with --newest-entry added; moa-cont-derot, with --derotate-keys
 #        added (an approximate warm start); eagle-cont, the shipped EAGLE drafter
 #        continued like moa-cont, so both baselines get the same extra updates),
-#        SHARD_SIZE (512),
+#        SHARD_SIZE (512), EXTRA_DATA (data directories written earlier, trained on beside the new ones),
 #        DATA_DTYPE (float32), MPS (0; 1 runs the processes under the CUDA Multi-Process Service, so
 #        their small kernels share the GPU instead of taking turns: 1.3x on a launch-bound probe on one H100)
 # Drafters land in OUT/NAME/drafter for each NAME of DRAFTERS. Training's target runs in fp32, so the
@@ -69,7 +69,8 @@ for d in "${DATA[@]}"; do
     [ -f "$d/manifest.json" ] || { echo "$d has no finished shard: raise DATA_S (see $d.log)" >&2; exit 1; }
 done
 
-COMMON=(--model "$MODEL" --dtype float32 --data "${DATA[@]}" --tokens-per-batch 16384 --lr 8e-4 --warmup 100
+read -r -a EXTRA <<< "${EXTRA_DATA:-}"
+COMMON=(--model "$MODEL" --dtype float32 --data "${DATA[@]}" "${EXTRA[@]}" --tokens-per-batch 16384 --lr 8e-4 --warmup 100
         --max-len 1024 --no-feature-cache --no-progress "$@")
 log "calibration: 30 updates of each drafter (${DRAFTERS[*]}), side by side"
 for k in "${DRAFTERS[@]}"; do
