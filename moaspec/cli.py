@@ -43,8 +43,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="the target's weights and activations (default: fp32 on CPU, bf16 on GPUs); "
-                        "float32 on a GPU makes distillation data and features exactly as the CPU target sees them")
+                   help="the target's weights and activations (default: float32 on every device, where greedy "
+                        "speculative output equals vanilla's token for token; bfloat16/float16 are faster on GPUs but "
+                        "round a verification differently from one-token steps, so answers can part at near-ties)")
 
 
 def _add_drafter_dtype_option(p: argparse.ArgumentParser) -> None:

@@ -61,18 +61,15 @@ def usable_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on CPU, bf16/fp16 on CUDA.
-
-    On a CPU fp32 is the precision the target's outputs are defined in here (a GGUF's
-    dequantised weights are exact in it, not in bf16), so decoding reproduces them; bf16
-    would halve a forward's bytes on CPUs with bf16 kernels but change the text (pass
-    ``--dtype bfloat16`` to choose that). Drafters, whose precision never changes the text,
-    draft in bf16 there (``drafting_dtype``).
-    """
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+# The target's precision unless --dtype says otherwise, on every device. A GGUF's dequantised weights are exact in
+# fp32, and only in fp32 is a forward's result for a token (all but) independent of how many tokens the forward
+# holds, which greedy speculative decoding needs in order to reproduce vanilla decoding token for token. In bf16 or
+# fp16 a verification of k tokens rounds differently from k one-token steps and the answers part at near-ties: with
+# SmolLM2 in bf16 on a CPU, MoA chains differed from vanilla on 8 of 12 SpecBench prompts and trees on 11 of 12
+# (BENCHMARKS.md, "Half precision is not lossless"). So bf16 stays a choice for speed (``--dtype bfloat16``, e.g. on
+# GPUs), not the default. Drafters, whose precision never changes the text, draft in bf16 where a CPU has bf16
+# kernels (``drafting_dtype``).
+DEFAULT_DTYPE = torch.float32
 
 
 def read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -254,7 +251,7 @@ def load_model_dir(
         raise ModelLoadError(f"model path {path} is not a directory")
     cfg = ModelConfig.from_model_dir(path)
     device = usable_device(device)
-    dtype = dtype or default_dtype(device)
+    dtype = dtype or DEFAULT_DTYPE
     model = build_transformer(cfg, read_hf_state_dict(path), device, dtype)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, cfg=cfg, path=path)
