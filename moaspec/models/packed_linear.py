@@ -163,10 +163,9 @@ def pack_linears(module: nn.Module, enable: bool = True, forward: Callable[[int]
     The first time a module with at least 32 MB of packed fp32 weights is packed with a ``forward`` (a
     representative forward of a given number of tokens through it), the small-row kernels are measured
     with it and kept for the process."""
-    global _kernels
     linears = [m for m in module.modules() if isinstance(m, Linear)]
     for m in linears:
         m.pack() if enable else m.unpack()
     packed = [m for m in linears if m.packed is not None and m.weight.dtype == torch.float32]
-    if _kernels is None and forward is not None and sum(m.weight.nbytes for m in packed) >= _MEASURE_BYTES:
-        _kernels = measure_small_row_kernels(forward)
+    if small_row_kernels() is None and forward is not None and sum(m.weight.nbytes for m in packed) >= _MEASURE_BYTES:
+        set_small_row_kernels(measure_small_row_kernels(forward))
