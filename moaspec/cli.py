@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drafter_dtype_option(g)
     _add_generation_options(g)
 
-    d = sub.add_parser("data", help="make a distillation set: prompts and answers written by the target itself (Magpie)")
+    d = sub.add_parser("data", help="make a distillation set: answers written by the target itself, to prompts it "
+                                    "writes (Magpie) or to yours (--prompts)")
     d.add_argument("--output", required=True, help="directory for shards and manifest.json (resumes if it exists)")
     d.add_argument("--examples", type=int, default=2000, help="stop at this many assistant turns")
     d.add_argument("--shard-size", type=int, default=64, help="conversations started per shard")
@@ -155,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-answer-tokens", type=int, default=384)
     d.add_argument("--multi-turn", type=float, default=0.2, help="fraction of conversations with a second user turn")
     d.add_argument("--greedy-fraction", type=float, default=0.5, help="fraction of answers decoded greedily (rest sampled)")
+    d.add_argument("--prompts", metavar="FILE",
+                   help="your own conversations (JSON lines or a JSON array: ShareGPT, chat messages, "
+                        '{"turns": [...]}, {"prompt": ...}, Alpaca, or strings): the target answers each user turn '
+                        "instead of prompts it writes; the run ends when the file is used up")
+    d.add_argument("--passages", metavar="PATH",
+                   help="a text file, or a directory of .txt/.md/.rst files, whose paragraphs are pasted under the "
+                        "summarisation and passage-question instructions instead of the target's own answers")
+    d.add_argument("--pasted-fraction", type=float,
+                   help="share of conversations that paste a text (default 2 of 7; 0 with --prompts gives your "
+                        "prompts alone)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress", action="store_true")
     _add_model_options(d)
@@ -426,26 +437,31 @@ def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
 def cmd_data(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moaspec.training.datagen import DataConfig, generate_dataset
+    from moaspec.training.datagen import MIN_PASSAGE_TOKENS, DataConfig, generate_dataset
+    from moaspec.training.user_text import load_user_text
 
     for name in ("examples", "shard_size", "batch_size", "max_query_tokens", "max_passage_tokens",
                  "max_answer_tokens"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("multi_turn", "greedy_fraction"):
-        if not 0 <= getattr(args, name) <= 1:
+    for name in ("multi_turn", "greedy_fraction", "pasted_fraction"):
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be between 0 and 1")
+    user = load_user_text(args.prompts, args.passages, args.max_passage_tokens, MIN_PASSAGE_TOKENS)
     cfg = DataConfig(
         examples=args.examples, shard_size=args.shard_size, batch_size=args.batch_size,
         max_query_tokens=args.max_query_tokens, max_passage_tokens=args.max_passage_tokens,
         max_answer_tokens=args.max_answer_tokens,
         multi_turn=args.multi_turn, greedy_fraction=args.greedy_fraction, seed=args.seed,
+        pasted_fraction=args.pasted_fraction,
     )
     loaded = _load(args)
-    manifest = generate_dataset(loaded, Path(args.output), cfg, progress=not args.no_progress)
+    manifest = generate_dataset(loaded, Path(args.output), cfg, progress=not args.no_progress, user=user)
     records = sum(s["records"] for s in manifest["shards"])
     tokens = sum(s["answer_tokens"] for s in manifest["shards"])
     print(f"{args.output}: {records} assistant turns, {tokens} answer tokens in {len(manifest['shards'])} shards")
+    if user.prompts and records < args.examples:
+        print(f"(all {len(user.prompts)} conversations of {args.prompts} were used)")
     return 0
 
 

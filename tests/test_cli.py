@@ -154,11 +154,23 @@ def test_bad_messages_file(tmp_path: Path) -> None:
     assert_one_line_error(run_cli("generate", "--messages", str(tmp_path / "none.json")), "cannot read")
 
 
-@pytest.mark.parametrize("opts,fragment", [(["--examples", "0"], "--examples"), (["--multi-turn", "2"], "--multi-turn")])
+@pytest.mark.parametrize("opts,fragment", [(["--examples", "0"], "--examples"), (["--multi-turn", "2"], "--multi-turn"),
+                                           (["--pasted-fraction", "1.5"], "--pasted-fraction"),
+                                           (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
+                                           (["--passages", "/nonexistent/docs"], "do not exist")])
 def test_data_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  # type: ignore[no-untyped-def]
     proc = run_cli("data", "--output", str(tmp_path / "d"), "--model", str(tiny_dirs["llama"]), *opts)
     assert_one_line_error(proc, fragment)
     assert not (tmp_path / "d").exists()
+
+
+def test_data_from_your_own_prompts_ends_when_they_are_used_up(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Tell me about {k}.", "Why?"]}) + "\n" for k in range(5)))
+    proc = run_cli("data", "--output", str(tmp_path / "d"), "--model", str(tiny_dirs["llama"]), "--no-progress",
+                   "--prompts", str(prompts), "--pasted-fraction", "0", "--max-answer-tokens", "8", "--shard-size", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "10 assistant turns" in proc.stdout and "all 5 conversations of" in proc.stdout
 
 
 def test_data_from_a_model_that_writes_no_prompts_ends_with_an_error(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -147,3 +147,137 @@ def test_resuming_a_damaged_directory_says_what_is_damaged(tiny_llama, made: Pat
     with pytest.raises(MoaspecError, match=expected):
         generate_dataset(tiny_llama, out, CFG, progress=False)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # left as it was found
+
+
+# --- the user's own prompts and passages (--prompts, --passages) ---
+
+from moaspec.training import user_text  # noqa: E402
+from moaspec.training.user_text import UserText, load_user_text, pack_paragraphs, read_prompts  # noqa: E402
+
+
+def test_prompt_files_in_every_supported_form(tmp_path: Path) -> None:
+    items = [
+        {"question_id": 1, "turns": ["First question?", "And a follow-up?"]},
+        {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Share GPT asks"},
+                           {"from": "gpt", "value": "an old answer, thrown away"}, {"from": "human", "value": "again"}]},
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Chat asks"}]},
+        {"prompt": "  A bare prompt  "},
+        {"instruction": "Translate this.", "input": "Bonjour"},
+        "Just a string",
+        {"turns": ["Cut here", "", "never asked"]},
+        {"turns": []},  # nothing to ask: skipped, not an error
+    ]
+    expected = (("First question?", "And a follow-up?"), ("Share GPT asks", "again"), ("Chat asks",),
+                ("A bare prompt",), ("Translate this.\n\nBonjour",), ("Just a string",), ("Cut here",))
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(i) for i in items) + "\n\n")
+    array = tmp_path / "p.json"
+    array.write_text(json.dumps(items, indent=1))
+    assert read_prompts(jsonl) == expected
+    assert read_prompts(array) == expected
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (None, "does not exist"),
+    ("", "holds no prompt"),
+    ('{"turns": ["ok"]}\n{oops\n', "line 2 is not valid JSON"),
+    ('[{"turns": ["ok"]}', "is not valid JSON"),
+    ('{"turns": ["ok"]}\n{"text": "no known key"}\n42\n', "line 2, line 3 are not a prompt"),
+    ('{"turns": ["ok", 7]}\n', "line 1 is not a prompt"),
+    (b"\xff\xfe\x00", "not UTF-8"),
+])
+def test_bad_prompt_files_are_refused_with_what_is_wrong(tmp_path: Path, content: str | bytes | None,
+                                                         fragment: str) -> None:
+    f = tmp_path / "p.jsonl"
+    if isinstance(content, bytes):
+        f.write_bytes(content)
+    elif content is not None:
+        f.write_text(content)
+    with pytest.raises(MoaspecError, match=re.escape(fragment)):
+        read_prompts(f)
+
+
+def test_passages_pack_paragraphs_and_read_only_text_files_in_order(tmp_path: Path) -> None:
+    text = "\n\n".join(f"Paragraph {k} " + "word " * 10 for k in range(6))  # 6 paragraphs of 67 characters
+    paragraphs = [p.strip() for p in text.split("\n\n")]
+    assert pack_paragraphs(text, max_chars=150, min_chars=10) == ["\n\n".join(paragraphs[k: k + 2]) for k in (0, 2, 4)]
+    assert pack_paragraphs("short\n\n" + "x" * 300, max_chars=100, min_chars=20) == ["x" * 300]  # alone, kept
+
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "b.md").write_text("B text " * 20)
+    (docs / "sub" / "a.txt").write_text("A text " * 20)
+    (docs / "skip.py").write_text("print('not a passage') " * 20)
+    one = load_user_text(None, docs, max_passage_tokens=100, min_passage_tokens=10)
+    assert one.passages == (("B text " * 20).strip(), ("A text " * 20).strip())  # b.md before sub/a.txt
+    (docs / "b.md").write_text("B changed " * 20)
+    two = load_user_text(None, docs, max_passage_tokens=100, min_passage_tokens=10)
+    assert dict(one.identity)["passages"]["sha256"] != dict(two.identity)["passages"]["sha256"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MoaspecError, match="holds no .txt, .md, .rst file"):
+        user_text.passage_files(tmp_path / "empty")
+    with pytest.raises(MoaspecError, match="do not exist"):
+        user_text.passage_files(tmp_path / "nowhere")
+    with pytest.raises(MoaspecError, match="no paragraph of at least 400 characters"):
+        load_user_text(None, docs, max_passage_tokens=200, min_passage_tokens=100)
+
+
+@pytest.fixture()
+def fake_decoding(tiny_llama, monkeypatch):  # type: ignore[no-untyped-def]
+    """A readable, distinct, finished answer per request: the pipeline's logic is under test, not the model."""
+    from moaspec.training import datagen
+
+    tok = tiny_llama.tokenizer
+
+    def fake_generate_many(model, requests, stop, gen, batch_size):  # type: ignore[no-untyped-def]
+        return [(tok(f" reply {len(r.prompt)} words" * 5, add_special_tokens=False)["input_ids"][: r.max_new_tokens], True)
+                for r in requests]
+
+    monkeypatch.setattr(datagen, "generate_many", fake_generate_many)
+    return tok
+
+
+def test_a_prompt_file_is_answered_turn_by_turn_in_order_and_ends_the_run(tiny_llama, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                       fake_decoding) -> None:
+    from moaspec.training import datagen
+
+    convs = tuple((f"Question number {k} about topic {k}?",) + ((f"Follow-up {k}?", f"Last {k}?") if k % 3 == 0 else ())
+                  for k in range(20))
+    user = UserText(prompts=convs, identity=(("prompts", {"sha256": "x", "conversations": 20}),))
+    cfg = DataConfig(examples=1000, shard_size=8, max_answer_tokens=16, pasted_fraction=0.0, multi_turn=1.0)
+    out = tmp_path / "d"
+    generate_dataset(tiny_llama, out, DataConfig(**{**cfg.__dict__, "examples": 5}), progress=False, user=user)
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 1  # interrupted after one shard
+    manifest = generate_dataset(tiny_llama, out, cfg, progress=False, user=user)  # resumed
+    assert len(manifest["shards"]) == 3  # 8 + 8 + 4 conversations: the file is used up, the run ends
+    records = [r for s in manifest["shards"] for r in read_shard(out / s["file"])]
+    assert [r["query"] for r in records if r["turn"] == 0] == [c[0] for c in convs]  # in file order, each once
+    assert all(r["task"] == datagen.USER_TASK for r in records)
+    by_conv: dict[str, list[dict]] = {}
+    for r in records:
+        by_conv.setdefault(r["id"].rsplit("-", 1)[0], []).append(r)
+    for turns in by_conv.values():  # every later turn of the file, answered in turn; no model-written follow-up
+        k = int(turns[0]["query"].split()[2])
+        assert [t["query"] for t in sorted(turns, key=lambda t: t["turn"])] == list(convs[k])
+    last = max((r for r in records if r["turn"] == 2), key=lambda r: len(r["prompt_ids"]))
+    assert fake_decoding.decode(last["prompt_ids"]).count("reply") == 2  # it saw both earlier answers
+    assert generate_dataset(tiny_llama, out, cfg, progress=False, user=user) == manifest  # nothing left to do
+
+    with pytest.raises(MoaspecError, match="other settings"):  # another prompt file: refused, not mixed in
+        generate_dataset(tiny_llama, out, cfg, progress=False,
+                         user=UserText(prompts=convs, identity=(("prompts", {"sha256": "y", "conversations": 20}),)))
+
+
+def test_pasted_prompts_paste_the_users_passages_in_turn(tiny_llama, fake_decoding) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.training import datagen
+
+    passages = tuple(f"Document {k}. " + "It says a thing or two. " * 2 for k in range(5))
+    cfg = DataConfig(shard_size=12, max_query_tokens=80, max_answer_tokens=40, max_passage_tokens=300,
+                     pasted_fraction=1.0, multi_turn=0.0)
+    shards = [datagen.make_shard(tiny_llama, cfg, s, set(), UserText(passages=passages)) for s in range(2)]
+    pasted = [r for records in shards for r in records if r["turn"] == 0]
+    # 24 started; a passage that comes round again under the same instruction is a duplicate, dropped
+    assert 20 <= len(pasted) <= 24 and all(r["task"] in datagen.PASTED_TEXT for r in pasted)
+    used = [next(k for k in range(5) if f"Document {k}." in r["query"]) for r in pasted]
+    assert sorted(used[:5]) == list(range(5))  # each passage once before any repeats, across shards too
+    assert all(passages[k].strip() in r["query"] for k, r in zip(used, pasted))

@@ -9,6 +9,10 @@ questions about a passage paste one of those answers under an instruction, so th
 holds long contexts too. Some conversations get a second, model-written user turn and
 its answer (multi-turn).
 
+With ``--prompts`` the user turns come from the user's own file instead (the target
+still answers every turn, so the set stays the target's own distribution), and with
+``--passages`` the pasted texts are the user's documents (see ``user_text``).
+
 Each record is one assistant turn: ``prompt_ids`` (the conversation as the model saw
 it) and ``answer_ids`` (the target's tokens; the loss applies to these). Shards are
 JSONL files written atomically; ``manifest.json`` lists finished shards, so an
@@ -35,6 +39,7 @@ from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.progress import progress_bar
 from moaspec.training.dataset import read_manifest, shard_records
+from moaspec.training.user_text import UserText
 
 # System messages that steer the model towards a task family when it writes a user prompt.
 TASKS: dict[str, str] = {
@@ -63,6 +68,7 @@ PASTED_TEXT: dict[str, tuple[str, ...]] = {
         "{text}\n\nIs anything in the text above doubtful or unclear? Explain.",
     ),
 }
+USER_TASK = "user"  # the task family of a conversation from --prompts
 PLACEHOLDER = "\u2063QUERY\u2063"
 # The batching scheme changes which random numbers each row draws, hence the data; a
 # directory is only extended by the scheme that began it (1: fixed batches per sampling
@@ -85,6 +91,7 @@ class DataConfig:
     answer_temperature: float = 0.7
     query_temperature: float = 1.0
     seed: int = 0
+    pasted_fraction: float | None = None  # share of conversations that paste a text (None: 2 of 7, as many as a family)
 
 
 def pre_query_prefix(tokenizer: Any, history: list[dict[str, str]]) -> str:
@@ -145,27 +152,51 @@ class DataWriter:
         atomic_write_text(self.manifest_path, json.dumps(self.manifest, indent=1))
 
 
-def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) -> list[dict[str, Any]]:
-    """Generate one shard's conversations; deterministic given (seed, shard)."""
+def pick_families(cfg: DataConfig, shard: int) -> tuple[torch.Generator, list[str]]:
+    """The task family of each conversation a shard starts, and the generator that drew them (the shard goes on
+    drawing from it); deterministic given (seed, shard)."""
+    rng = torch.Generator().manual_seed(cfg.seed * 7_919 + shard)
+    families = list(TASKS) + list(PASTED_TEXT)
+    if cfg.pasted_fraction is None:  # every family alike
+        return rng, [families[i] for i in torch.randint(0, len(families), (cfg.shard_size,), generator=rng).tolist()]
+    pasted = (torch.rand(cfg.shard_size, generator=rng) < cfg.pasted_fraction).tolist()
+    written = torch.randint(0, len(TASKS), (cfg.shard_size,), generator=rng).tolist()
+    kind = torch.randint(0, len(PASTED_TEXT), (cfg.shard_size,), generator=rng).tolist()
+    return rng, [list(PASTED_TEXT)[k] if p else list(TASKS)[w] for p, w, k in zip(pasted, written, kind)]
+
+
+def slots_before(cfg: DataConfig, shard: int) -> tuple[int, int]:
+    """How many written-prompt and pasted-text conversations the shards before ``shard`` started: where a shard
+    continues in the user's prompt file and passage list, without reading the shards written so far."""
+    written = pasted = 0
+    for s in range(shard):
+        picks = pick_families(cfg, s)[1]
+        pasted += sum(t in PASTED_TEXT for t in picks)
+        written += len(picks) - sum(t in PASTED_TEXT for t in picks)
+    return written, pasted
+
+
+def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str],
+               user: UserText = UserText()) -> list[dict[str, Any]]:
+    """Generate one shard's conversations; deterministic given (seed, shard) and ``user``'s text."""
     tok = model.tokenizer
     stop = stop_token_ids(model.model, tok)
     # sampling draws on the logits' device (a CPU generator cannot drive CUDA sampling); the
     # data is reproducible per device type, and CPU-made data is unchanged
     gen = torch.Generator(device=model.model.device).manual_seed(cfg.seed * 1_000_003 + shard)
-    rng = torch.Generator().manual_seed(cfg.seed * 7_919 + shard)
-    families = list(TASKS) + list(PASTED_TEXT)
-    picks = [families[i] for i in torch.randint(0, len(families), (cfg.shard_size,), generator=rng).tolist()]
+    rng, picks = pick_families(cfg, shard)
+    written_before, pasted_before = slots_before(cfg, shard) if user.prompts or user.passages else (0, 0)
     query_params = SamplingParams(temperature=cfg.query_temperature)
     answer_params = SamplingParams(temperature=cfg.answer_temperature)
     records: list[dict[str, Any]] = []
     convs: list[dict[str, Any]] = []
     context = model.cfg.max_position_embeddings  # a request must fit with its whole budget
 
-    def add_conversation(task: str, query: str) -> None:
+    def add_conversation(task: str, query: str, later: tuple[str, ...] = ()) -> None:
         key = normalise(query)
         if key not in seen:
             seen.add(key)
-            convs.append({"task": task, "messages": [{"role": "user", "content": query}],
+            convs.append({"task": task, "messages": [{"role": "user", "content": query}], "later": list(later),
                           "greedy": bool(torch.rand(1, generator=rng) < cfg.greedy_fraction),
                           "follow": bool(torch.rand(1, generator=rng) < cfg.multi_turn)})
 
@@ -197,33 +228,57 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
             })
             c["messages"].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
 
-    # 1. user prompts the model writes, steered per task family, and their answers
+    # 1. user prompts, steered per task family, and their answers: the model writes them (Magpie), or they are
+    #    the next conversations of the user's --prompts file
     written = [t for t in picks if t in TASKS]
-    for task, query in zip(written, write_queries([[{"role": "system", "content": TASKS[t]}] for t in written])):
-        if query is not None:
-            add_conversation(task, query)
+    if user.prompts:
+        for turns in user.prompts[written_before: written_before + len(written)]:
+            add_conversation(USER_TASK, turns[0], turns[1:])
+    else:
+        for task, query in zip(written, write_queries([[{"role": "system", "content": TASKS[t]}] for t in written])):
+            if query is not None:
+                add_conversation(task, query)
     answer(list(range(len(convs))), 0)
 
-    # 2. prompts that paste a text: the target's own answers above (one or two), under an instruction
+    # 2. prompts that paste a text under an instruction: the user's --passages, else the target's own answers
+    #    above (one or two)
     longest = min(cfg.max_passage_tokens, context - cfg.max_answer_tokens - 64)  # 64: template and instruction
-    passages = [r["answer_ids"][:longest] for r in records
-                if len(r["answer_ids"]) >= MIN_PASSAGE_TOKENS and longest >= MIN_PASSAGE_TOKENS]
-    order = torch.randperm(len(passages), generator=rng).tolist()  # each answer pasted once before any repeats
+    if user.passages:
+        perm = torch.randperm(len(user.passages), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        passages = [tok(user.passages[perm[(pasted_before + k) % len(perm)]], add_special_tokens=False)["input_ids"]
+                    for k in range(sum(t in PASTED_TEXT for t in picks))] if longest >= MIN_PASSAGE_TOKENS else []
+        order = list(range(len(passages)))  # each its own, in order: the user's passages are used in turn
+    else:
+        passages = [r["answer_ids"][:longest] for r in records
+                    if len(r["answer_ids"]) >= MIN_PASSAGE_TOKENS and longest >= MIN_PASSAGE_TOKENS]
+        order = torch.randperm(len(passages), generator=rng).tolist()  # each answer pasted once before any repeats
     first_pasted = len(convs)
     for k, task in enumerate(t for t in picks if t in PASTED_TEXT):
         if not passages:
             break
-        i, j = order[2 * k % len(order)], order[(2 * k + 1) % len(order)]
-        one, two = passages[i], passages[j]
-        ids = one + (tok("\n\n", add_special_tokens=False)["input_ids"] + two
-                     if len(one) + len(two) < longest and i != j else [])
+        if user.passages:
+            ids = passages[k]
+        else:
+            i, j = order[2 * k % len(order)], order[(2 * k + 1) % len(order)]
+            one, two = passages[i], passages[j]
+            ids = one + (tok("\n\n", add_special_tokens=False)["input_ids"] + two
+                         if len(one) + len(two) < longest and i != j else [])
         templates = PASTED_TEXT[task]
         template = templates[int(torch.randint(0, len(templates), (1,), generator=rng))]
         add_conversation(task, template.format(text=tok.decode(ids[:longest], skip_special_tokens=True).strip()))
     answer(list(range(first_pasted, len(convs))), 0)
 
-    # 3. a model-written follow-up turn for some conversations, and its answer
-    active = [i for i, c in enumerate(convs) if c["follow"]]
+    # 3. later user turns: a --prompts conversation's own, each answered in turn while it fits the context
+    turn = 1
+    while active := [i for i, c in enumerate(convs)
+                     if len(c["later"]) >= turn and c["messages"][-1]["role"] == "assistant"]:
+        for i in active:
+            convs[i]["messages"].append({"role": "user", "content": convs[i]["later"][turn - 1]})
+        answer(active, turn)
+        turn += 1
+
+    # 4. a model-written follow-up turn for some of the other conversations, and its answer
+    active = [i for i, c in enumerate(convs) if c["follow"] and c["task"] != USER_TASK]
     followups = write_queries([convs[i]["messages"] for i in active]) if active else []
     kept = []
     for i, query in zip(active, followups):
@@ -235,39 +290,53 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str]) 
     return records
 
 
-def generate_dataset(model: LoadedModel, out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, Any]:
-    """Fill ``out`` with shards until ``cfg.examples`` records exist; resume where a previous run stopped."""
-    identity = {"model": model.fingerprint, "config": {k: v for k, v in asdict(cfg).items() if k != "examples"},
-                "generator": GENERATOR}
+def generate_dataset(model: LoadedModel, out: Path, cfg: DataConfig, progress: bool = True,
+                     user: UserText = UserText()) -> dict[str, Any]:
+    """Fill ``out`` with shards until ``cfg.examples`` records exist, or every conversation of ``user``'s prompt
+    file has been started; resume where a previous run stopped."""
+    config = {k: v for k, v in asdict(cfg).items() if k != "examples" and v is not None}
+    identity = {"model": model.fingerprint, "config": config, "generator": GENERATOR, **dict(user.identity)}
     writer = DataWriter(out, identity)
     bar = progress_bar(total=cfg.examples, initial=min(writer.records, cfg.examples), unit="turn", disable=not progress,
                        desc="moaspec data")
     while writer.records < cfg.examples:
-        check_not_stalled(writer.manifest["shards"], cfg)
-        records = make_shard(model, cfg, writer.next_shard, writer.seen)
+        if user.prompts and slots_before(cfg, writer.next_shard)[0] >= len(user.prompts):
+            break  # the prompt file is used up
+        check_not_stalled(writer.manifest["shards"], cfg,
+                          model.cfg.max_position_embeddings if user.prompts else None)
+        records = make_shard(model, cfg, writer.next_shard, writer.seen, user)
         writer.add_shard(records)
         bar.update(min(len(records), cfg.examples - bar.n))
     bar.close()
     return writer.manifest
 
 
-def check_not_stalled(shards: list[dict[str, Any]], cfg: DataConfig) -> None:
+def check_not_stalled(shards: list[dict[str, Any]], cfg: DataConfig, user_prompts_context: int | None = None) -> None:
     """Stop with an explanation when the newest shards hold no record at all.
 
     Every record starts from a user prompt the model writes itself; a model that never
     finishes a usable one within ``max_query_tokens`` (not a chat model, a chat template
     without a user turn, a budget too small) would otherwise write empty shards forever.
-    Empty shards stay in the manifest, so a resumed run stops here again at once.
+    With the user's own prompts (``user_prompts_context``: the model's context), the cause
+    is prompts too long for the context. Empty shards stay in the manifest, so a resumed
+    run stops here again at once.
     """
     empty = 0
     for shard in reversed(shards):
         if shard["records"]:
             break
         empty += 1
-    if empty >= STALL_SHARDS and empty * cfg.shard_size >= STALL_CONVERSATIONS:
+    if empty < STALL_SHARDS or empty * cfg.shard_size < STALL_CONVERSATIONS:
+        return
+    if user_prompts_context is not None:
         raise MoaspecError(
-            f"the model wrote no usable user prompt in the last {empty} shards ({empty * cfg.shard_size} tries): "
-            f"each must end within --max-query-tokens ({cfg.max_query_tokens}) and be at least 3 words of text. "
-            "Magpie data needs an instruction-tuned chat model whose chat template has a user turn; "
-            "with such a model, raise --max-query-tokens"
+            f"no conversation of the last {empty} shards was answered: a prompt and --max-answer-tokens "
+            f"({cfg.max_answer_tokens}) must fit the model's context ({user_prompts_context} tokens); "
+            "use shorter prompts or a smaller --max-answer-tokens"
         )
+    raise MoaspecError(
+        f"the model wrote no usable user prompt in the last {empty} shards ({empty * cfg.shard_size} tries): "
+        f"each must end within --max-query-tokens ({cfg.max_query_tokens}) and be at least 3 words of text. "
+        "Magpie data needs an instruction-tuned chat model whose chat template has a user turn; "
+        "with such a model, raise --max-query-tokens"
+    )
