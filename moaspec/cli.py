@@ -792,11 +792,14 @@ def _check_output_dir(path: str) -> None:
 
 def _bench_settings(args: argparse.Namespace, loaded, *skip: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """The options that shape a benchmark's methods, recorded in its summary (and checked when it resumes),
-    with the dtype the drafters actually ran in rather than "auto"."""
+    with the dtypes and device the target and drafters actually ran in rather than "auto": a half-precision
+    target's greedy answers may part from vanilla's, so a reader of the figures must see which it was."""
     from moaspec.drafters.checkpoint import drafting_dtype
 
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "no_progress", *skip)}
     settings["drafter_dtype"] = str(drafting_dtype(loaded)).removeprefix("torch.")
+    settings["target_dtype"] = str(loaded.model.dtype).removeprefix("torch.")
+    settings["target_device"] = str(loaded.model.device)
     return settings
 
 

@@ -138,7 +138,7 @@ def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[
     bar.close()
     kernels = small_row_kernels()  # what products of 1, 2, 3 rows ran on, as measured at load
     summary = {"methods": names, "max_new_tokens": max_new, "questions": len(questions), "resumed_questions": resumed,
-               "greedy": greedy, "small_row_kernels": kernels and list(kernels.by_rows),
+               "greedy": greedy, "settings": settings or {}, "small_row_kernels": kernels and list(kernels.by_rows),
                "results": summarise(rows, names, greedy), "accepted_histogram": accepted_histograms(rows)}
     atomic_write_text(output / "answers.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=1))

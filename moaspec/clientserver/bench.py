@@ -291,6 +291,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     finally:
         server.close()
     summary["resumed_runs"] = resumed
+    summary["settings"] = settings or {}
     atomic_write_text(output / "summary.json", json.dumps(summary, indent=2) + "\n")
     journal.finish()
     return summary

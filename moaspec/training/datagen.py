@@ -241,28 +241,29 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str],
     answer(list(range(len(convs))), 0)
 
     # 2. prompts that paste a text under an instruction: the user's --passages, else the target's own answers
-    #    above (one or two)
     longest = min(cfg.max_passage_tokens, context - cfg.max_answer_tokens - 64)  # 64: template and instruction
-    if user.passages:
-        perm = torch.randperm(len(user.passages), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        passages = [tok(user.passages[perm[(pasted_before + k) % len(perm)]], add_special_tokens=False)["input_ids"]
-                    for k in range(sum(t in PASTED_TEXT for t in picks))] if longest >= MIN_PASSAGE_TOKENS else []
-        order = list(range(len(passages)))  # each its own, in order: the user's passages are used in turn
-    else:
-        passages = [r["answer_ids"][:longest] for r in records
-                    if len(r["answer_ids"]) >= MIN_PASSAGE_TOKENS and longest >= MIN_PASSAGE_TOKENS]
-        order = torch.randperm(len(passages), generator=rng).tolist()  # each answer pasted once before any repeats
-    first_pasted = len(convs)
-    for k, task in enumerate(t for t in picks if t in PASTED_TEXT):
-        if not passages:
-            break
+    pasted = [t for t in picks if t in PASTED_TEXT]
+
+    def texts_to_paste() -> list[list[int]]:
+        """The token ids each pasted conversation quotes: the user's passages in turn (each once before any
+        repeats, across shards too), else one or two of this shard's answers (each once before any repeats)."""
         if user.passages:
-            ids = passages[k]
-        else:
+            perm = torch.randperm(len(user.passages), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+            return [tok(user.passages[perm[(pasted_before + k) % len(perm)]], add_special_tokens=False)["input_ids"]
+                    for k in range(len(pasted))] if longest >= MIN_PASSAGE_TOKENS else []
+        answers = [r["answer_ids"][:longest] for r in records
+                   if len(r["answer_ids"]) >= MIN_PASSAGE_TOKENS and longest >= MIN_PASSAGE_TOKENS]
+        order = torch.randperm(len(answers), generator=rng).tolist()
+        texts = []
+        for k in range(len(pasted) if answers else 0):
             i, j = order[2 * k % len(order)], order[(2 * k + 1) % len(order)]
-            one, two = passages[i], passages[j]
-            ids = one + (tok("\n\n", add_special_tokens=False)["input_ids"] + two
-                         if len(one) + len(two) < longest and i != j else [])
+            one, two = answers[i], answers[j]
+            texts.append(one + (tok("\n\n", add_special_tokens=False)["input_ids"] + two
+                                if len(one) + len(two) < longest and i != j else []))
+        return texts
+
+    first_pasted = len(convs)
+    for task, ids in zip(pasted, texts_to_paste()):
         templates = PASTED_TEXT[task]
         template = templates[int(torch.randint(0, len(templates), (1,), generator=rng))]
         add_conversation(task, template.format(text=tok.decode(ids[:longest], skip_special_tokens=True).strip()))
