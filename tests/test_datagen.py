@@ -173,8 +173,8 @@ def test_prompt_files_in_every_supported_form(tmp_path: Path) -> None:
     jsonl.write_text("\n".join(json.dumps(i) for i in items) + "\n\n")
     array = tmp_path / "p.json"
     array.write_text(json.dumps(items, indent=1))
-    assert read_prompts(jsonl) == expected
-    assert read_prompts(array) == expected
+    assert read_prompts(jsonl)[0] == expected
+    assert read_prompts(array)[0] == expected
 
 
 @pytest.mark.parametrize("content,fragment", [

@@ -156,24 +156,21 @@ def pick_families(cfg: DataConfig, shard: int) -> tuple[torch.Generator, list[st
     """The task family of each conversation a shard starts, and the generator that drew them (the shard goes on
     drawing from it); deterministic given (seed, shard)."""
     rng = torch.Generator().manual_seed(cfg.seed * 7_919 + shard)
-    families = list(TASKS) + list(PASTED_TEXT)
+    tasks, pastes = list(TASKS), list(PASTED_TEXT)
     if cfg.pasted_fraction is None:  # every family alike
+        families = tasks + pastes
         return rng, [families[i] for i in torch.randint(0, len(families), (cfg.shard_size,), generator=rng).tolist()]
     pasted = (torch.rand(cfg.shard_size, generator=rng) < cfg.pasted_fraction).tolist()
-    written = torch.randint(0, len(TASKS), (cfg.shard_size,), generator=rng).tolist()
-    kind = torch.randint(0, len(PASTED_TEXT), (cfg.shard_size,), generator=rng).tolist()
-    return rng, [list(PASTED_TEXT)[k] if p else list(TASKS)[w] for p, w, k in zip(pasted, written, kind)]
+    written = torch.randint(0, len(tasks), (cfg.shard_size,), generator=rng).tolist()
+    kind = torch.randint(0, len(pastes), (cfg.shard_size,), generator=rng).tolist()
+    return rng, [pastes[k] if p else tasks[w] for p, w, k in zip(pasted, written, kind)]
 
 
 def slots_before(cfg: DataConfig, shard: int) -> tuple[int, int]:
     """How many written-prompt and pasted-text conversations the shards before ``shard`` started: where a shard
     continues in the user's prompt file and passage list, without reading the shards written so far."""
-    written = pasted = 0
-    for s in range(shard):
-        picks = pick_families(cfg, s)[1]
-        pasted += sum(t in PASTED_TEXT for t in picks)
-        written += len(picks) - sum(t in PASTED_TEXT for t in picks)
-    return written, pasted
+    pasted = sum(t in PASTED_TEXT for s in range(shard) for t in pick_families(cfg, s)[1])
+    return shard * cfg.shard_size - pasted, pasted
 
 
 def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str],

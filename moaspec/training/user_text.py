@@ -114,8 +114,9 @@ def user_turns(item: Any) -> tuple[str, ...] | None:
     return tuple(kept)
 
 
-def read_prompts(path: Path) -> tuple[tuple[str, ...], ...]:
-    """Every conversation's user turns in ``path``; refuses a file with unreadable items, naming them."""
+def read_prompts(path: Path) -> tuple[tuple[tuple[str, ...], ...], str]:
+    """Every conversation's user turns in ``path`` and a sha256 of the file's text (read once for both); refuses
+    a file with unreadable items, naming them."""
     text = _read_text(path, "prompt file")
     conversations: list[tuple[str, ...]] = []
     bad: list[str] = []
@@ -134,7 +135,7 @@ def read_prompts(path: Path) -> tuple[tuple[str, ...], ...]:
         )
     if not conversations:
         raise MoaspecError(f"prompt file {path} holds no prompt")
-    return tuple(conversations)
+    return tuple(conversations), hashlib.sha256(text.encode()).hexdigest()
 
 
 def passage_files(path: Path) -> list[Path]:
@@ -185,9 +186,8 @@ def load_user_text(prompts: str | Path | None, passages: str | Path | None, max_
     conversations: tuple[tuple[str, ...], ...] = ()
     texts: tuple[str, ...] = ()
     if prompts is not None:
-        path = Path(prompts)
-        conversations = read_prompts(path)
-        identity["prompts"] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "conversations": len(conversations)}
+        conversations, digest = read_prompts(Path(prompts))
+        identity["prompts"] = {"sha256": digest, "conversations": len(conversations)}
     if passages is not None:
         texts, digest = read_passages(Path(passages), 4 * max_passage_tokens, 4 * min_passage_tokens)
         identity["passages"] = {"sha256": digest, "passages": len(texts)}
