@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--pasted-fraction", type=float,
                    help="share of conversations that paste a text (default 2 of 7; 0 with --prompts gives your "
                         "prompts alone)")
+    d.add_argument("--part", metavar="K/N",
+                   help="take every N-th conversation of --prompts and passage of --passages, from the K-th on, so "
+                        "that N data processes (each with its own --output and --seed) share the files")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress", action="store_true")
     _add_model_options(d)
@@ -438,7 +441,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from moaspec.training.datagen import MIN_PASSAGE_TOKENS, DataConfig, generate_dataset
-    from moaspec.training.user_text import load_user_text
+    from moaspec.training.user_text import load_user_text, parse_part
 
     for name in ("examples", "shard_size", "batch_size", "max_query_tokens", "max_passage_tokens",
                  "max_answer_tokens"):
@@ -447,7 +450,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     for name in ("multi_turn", "greedy_fraction", "pasted_fraction"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be between 0 and 1")
-    user = load_user_text(args.prompts, args.passages, args.max_passage_tokens, MIN_PASSAGE_TOKENS)
+    part = None if args.part is None else parse_part(args.part)
+    user = load_user_text(args.prompts, args.passages, args.max_passage_tokens, MIN_PASSAGE_TOKENS, part)
     cfg = DataConfig(
         examples=args.examples, shard_size=args.shard_size, batch_size=args.batch_size,
         max_query_tokens=args.max_query_tokens, max_passage_tokens=args.max_passage_tokens,

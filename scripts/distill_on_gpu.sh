@@ -17,7 +17,8 @@
 #        continued like moa-cont, so both baselines get the same extra updates),
 #        SHARD_SIZE (512), EXTRA_DATA (data directories written earlier, trained on beside the new ones),
 #        DATA_OPTIONS (more `moaspec data` options for every data process, e.g. "--passages DIR
-#        --pasted-fraction 0.7 --max-passage-tokens 800": documents pasted for summaries, BENCHMARKS.md),
+#        --pasted-fraction 0.7 --max-passage-tokens 800": documents pasted for summaries, BENCHMARKS.md;
+#        with --prompts or --passages each process gets --part K/PROCS, so they share the files),
 #        DATA_DTYPE (float32), MPS (0; 1 runs the processes under the CUDA Multi-Process Service, so
 #        their small kernels share the GPU instead of taking turns: 1.3x on a launch-bound probe on one H100)
 # Drafters land in OUT/NAME/drafter for each NAME of DRAFTERS. Training's target runs in fp32, so the
@@ -64,8 +65,12 @@ DATA=()
 read -r -a DATA_OPTS <<< "${DATA_OPTIONS:-}"
 for s in $(seq 1 "$PROCS"); do
     DATA+=("$OUT/data$s")
-    timeout "$DATA_S" "${MOASPEC[@]}" data --model "$MODEL" --dtype "$DATA_DTYPE" --output "$OUT/data$s" --seed "$s" \
-        --examples 100000000 --shard-size "$SHARD_SIZE" --batch-size 256 --no-progress "${DATA_OPTS[@]}" > "$OUT/data$s.log" 2>&1 &
+    PART=()  # a user's prompt or passage file is shared between the processes, not answered by each
+    case " ${DATA_OPTS[*]} " in *" --prompts "*|*" --prompts="*|*" --passages "*|*" --passages="*) PART=(--part "$s/$PROCS");; esac
+    ARGS=(data --model "$MODEL" --dtype "$DATA_DTYPE" --output "$OUT/data$s" --seed "$s" --examples 100000000
+          --shard-size "$SHARD_SIZE" --batch-size 256 --no-progress "${DATA_OPTS[@]}" "${PART[@]}")
+    echo "moaspec ${ARGS[*]}" > "$OUT/data$s.log"
+    timeout "$DATA_S" "${MOASPEC[@]}" "${ARGS[@]}" >> "$OUT/data$s.log" 2>&1 &
 done
 wait
 for d in "${DATA[@]}"; do

@@ -157,7 +157,9 @@ def test_bad_messages_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("opts,fragment", [(["--examples", "0"], "--examples"), (["--multi-turn", "2"], "--multi-turn"),
                                            (["--pasted-fraction", "1.5"], "--pasted-fraction"),
                                            (["--prompts", "/nonexistent/p.jsonl"], "does not exist"),
-                                           (["--passages", "/nonexistent/docs"], "do not exist")])
+                                           (["--passages", "/nonexistent/docs"], "do not exist"),
+                                           (["--part", "1/2"], "give one of them"),
+                                           (["--prompts", "/nonexistent/p.jsonl", "--part", "3/2"], "K/N")])
 def test_data_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  # type: ignore[no-untyped-def]
     proc = run_cli("data", "--output", str(tmp_path / "d"), "--model", str(tiny_dirs["llama"]), *opts)
     assert_one_line_error(proc, fragment)

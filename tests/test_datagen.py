@@ -222,6 +222,32 @@ def test_passages_pack_paragraphs_and_read_only_text_files_in_order(tmp_path: Pa
         load_user_text(None, docs, max_passage_tokens=200, min_passage_tokens=100)
 
 
+def test_parts_split_prompts_and_passages_between_processes(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {k}?"}) + "\n" for k in range(7)))
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n\n".join(f"Passage {k} " + "word " * 30 for k in range(5)))
+    whole = load_user_text(prompts, docs, max_passage_tokens=40, min_passage_tokens=10)
+    parts = [load_user_text(prompts, docs, 40, 10, part=(k, 3)) for k in (1, 2, 3)]
+    assert [len(p.prompts) for p in parts] == [3, 2, 2] and [len(p.passages) for p in parts] == [2, 2, 1]
+    # every conversation and passage in exactly one part, in file order within it
+    assert sorted(c for p in parts for c in p.prompts) == sorted(whole.prompts)
+    assert sorted(t for p in parts for t in p.passages) == sorted(whole.passages)
+    assert parts[1].prompts == whole.prompts[1::3]
+    # the identity names the part and keeps the whole file's hash: a resumed run refuses another part
+    ids = [dict(p.identity) for p in parts]
+    assert ids[0]["part"] == [1, 3] and ids[0] != ids[1]
+    assert ids[0]["prompts"]["sha256"] == ids[1]["prompts"]["sha256"] == dict(whole.identity)["prompts"]["sha256"]
+    with pytest.raises(MoaspecError, match="holds only 5 passages, none for part 6"):
+        load_user_text(None, docs, 40, 10, part=(6, 6))
+    with pytest.raises(MoaspecError, match="give one of them"):
+        load_user_text(None, None, 40, 10, part=(1, 2))
+    for bad in ("0/2", "3/2", "2", "a/b", "1/2/3", "-1/2"):
+        with pytest.raises(MoaspecError, match="K/N with 1 <= K <= N"):
+            user_text.parse_part(bad)
+    assert user_text.parse_part("2/4") == (2, 4)
+
+
 @pytest.fixture()
 def fake_decoding(tiny_llama, monkeypatch):  # type: ignore[no-untyped-def]
     """A readable, distinct, finished answer per request: the pipeline's logic is under test, not the model."""

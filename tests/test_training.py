@@ -526,14 +526,17 @@ def test_gpu_distillation_script_runs_end_to_end(tiny_dirs, tiny_llama, tiny_dat
     for kind, cls in (("moa", MoADrafter), ("eagle", EagleDrafter)):
         assert isinstance(load_drafter(out / kind / "drafter", tiny_llama), cls)
 
-    # DATA_OPTIONS reach every `moaspec data` process (here a bad one, which it names; the data in place is used)
+    # DATA_OPTIONS reach every `moaspec data` process (here a bad one, which it names; the data in place is used),
+    # and a passage file is split between the processes (--part K/PROCS)
     shutil.copytree(tiny_data, tmp_path / "opts" / "data1")
     proc = subprocess.run(["bash", script, str(tmp_path / "opts"), "--tokens-per-batch", "1024", "--warmup", "5",
                            "--threads", "1", "--draft-vocab", "256"],
-                          env={**env, "DRAFTERS": "eagle", "DATA_OPTIONS": "--pasted-fraction 1.5"},
+                          env={**env, "DRAFTERS": "eagle", "DATA_OPTIONS": "--passages docs --pasted-fraction 1.5"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "--pasted-fraction must be between 0 and 1" in (tmp_path / "opts" / "data1.log").read_text()
+    log = (tmp_path / "opts" / "data1.log").read_text()
+    assert "--passages docs --pasted-fraction 1.5 --part 1/1" in log.splitlines()[0]
+    assert "--pasted-fraction must be between 0 and 1" in log
 
     proc = subprocess.run(["bash", script, str(tmp_path / "other")], env={**env, "DRAFTERS": "moa nope"},
                           capture_output=True, text=True, timeout=60)

@@ -15,6 +15,10 @@ Prompt files are JSON lines or one JSON array, each item one of:
 - ``{"messages": [{"role": "user", "content": ...}, ...]}`` (chat messages),
 - ``{"prompt": "..."}``, ``{"instruction": "...", "input": "..."}`` (Alpaca), or a bare string.
 
+``--part K/N`` gives one of N processes every N-th conversation and passage, starting
+with the K-th, so that several `moaspec data` processes (one per GPU, say) share a file
+instead of each answering all of it.
+
 Passages are read from a text file, or from every ``.txt``, ``.md`` and ``.rst`` file
 under a directory (sorted, so the order never depends on the file system), split at
 blank lines, and packed paragraph by paragraph into passages of at most about
@@ -178,17 +182,46 @@ def read_passages(path: Path, max_chars: int, min_chars: int) -> tuple[tuple[str
     return tuple(passages), digest.hexdigest()
 
 
+def parse_part(text: str) -> tuple[int, int]:
+    """``"K/N"`` (the K-th of N parts, 1 <= K <= N) as ``(K, N)``."""
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise MoaspecError(f"--part must be K/N with 1 <= K <= N (for example 2/4), got {text!r}")
+    return int(k), int(n)
+
+
+def _take_part(items: tuple[Any, ...], part: tuple[int, int] | None, what: str, path: str | Path) -> tuple[Any, ...]:
+    """Every N-th item from the K-th on (all of them without ``part``)."""
+    if part is None:
+        return items
+    k, n = part
+    mine = items[k - 1 :: n]
+    if not mine:
+        raise MoaspecError(f"--part {k}/{n}: {path} holds only {len(items)} {what}, none for part {k}")
+    return mine
+
+
 def load_user_text(prompts: str | Path | None, passages: str | Path | None, max_passage_tokens: int,
-                   min_passage_tokens: int) -> UserText:
-    """Read ``--prompts`` and ``--passages`` (either may be None). Passages are cut by characters, about four
-    to a token, so that a large corpus needs no tokenising up front; the pasted text is cut to tokens later."""
+                   min_passage_tokens: int, part: tuple[int, int] | None = None) -> UserText:
+    """Read ``--prompts`` and ``--passages`` (either may be None), or the ``part`` (K, N) of them this process takes.
+
+    Passages are cut by characters, about four to a token, so that a large corpus needs no
+    tokenising up front; the pasted text is cut to tokens later. The identity records the
+    whole file's hash and the part, so a resumed run refuses another file or another part.
+    """
+    if part is not None and prompts is None and passages is None:
+        raise MoaspecError("--part splits a --prompts or --passages file between processes; give one of them")
     identity: dict[str, Any] = {}
     conversations: tuple[tuple[str, ...], ...] = ()
     texts: tuple[str, ...] = ()
     if prompts is not None:
         conversations, digest = read_prompts(Path(prompts))
+        conversations = _take_part(conversations, part, "conversations", prompts)
         identity["prompts"] = {"sha256": digest, "conversations": len(conversations)}
     if passages is not None:
         texts, digest = read_passages(Path(passages), 4 * max_passage_tokens, 4 * min_passage_tokens)
+        texts = _take_part(texts, part, "passages", passages)
         identity["passages"] = {"sha256": digest, "passages": len(texts)}
+    if part is not None:
+        identity["part"] = list(part)
     return UserText(conversations, texts, tuple(identity.items()))
