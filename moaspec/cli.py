@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="make a distillation set: answers written by the target itself, to prompts it "
                                     "writes (Magpie) or to yours (--prompts)")
     d.add_argument("--output", required=True, help="directory for shards and manifest.json (resumes if it exists)")
-    d.add_argument("--examples", type=int, default=2000, help="stop at this many assistant turns")
+    d.add_argument("--examples", type=int, default=2000,
+                   help="stop once at least this many assistant turns are written (shards are written whole, so the "
+                        "last one may go past it)")
     d.add_argument("--shard-size", type=int, default=64, help="conversations started per shard")
     d.add_argument("--batch-size", type=int, default=32, help="sequences decoded together")
     d.add_argument("--max-query-tokens", type=int, default=96, help="budget of a written user prompt")

@@ -458,9 +458,9 @@ class Trainer:
         n = max(float(sums[3]), 1.0)
         return {"val_loss": round(float(sums[0]) / n, 5), "val_kl": round(float(sums[1]) / n, 5),
                 "val_feature": round(float(sums[2]) / n, 5), "val_top1": round(float(sums[6]) / n, 4),
-                "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4) if cfg.kind == "moa" else "",
-                "val_tau_decode": round(float(sums[7]) / float(sums[8]), 4) if sums[8] else "",
-                "val_first_draft": round(float(sums[9]) / float(sums[10]), 4) if sums[10] else ""}
+                "val_tau_chain6": round(1 + float(sums[4]) / max(float(sums[5]), 1.0), 4) if cfg.kind == "moa" else None,
+                "val_tau_decode": round(float(sums[7]) / float(sums[8]), 4) if sums[8] else None,
+                "val_first_draft": round(float(sums[9]) / float(sums[10]), 4) if sums[10] else None}
 
     def decode_greedy_answers(self, drafter: Drafter, batch: Batch, tgt: TargetOut, greedy: torch.Tensor,
                               depth: int = 6) -> list[float]:
