@@ -307,3 +307,60 @@ def test_pasted_prompts_paste_the_users_passages_in_turn(tiny_llama, fake_decodi
     used = [next(k for k in range(5) if f"Document {k}." in r["query"]) for r in pasted]
     assert sorted(used[:5]) == list(range(5))  # each passage once before any repeats, across shards too
     assert all(passages[k].strip() in r["query"] for k, r in zip(used, pasted))
+
+
+def _bigbench_archive(path: Path, inputs: dict[str, list[str]]) -> Path:
+    """A stand-in for the bigbench sdist: one task.json per task that scripts/bigbench_prompts.py reads."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for task, texts in inputs.items():
+            body = json.dumps({"examples": [{"input": t} for t in texts]}).encode()
+            info = tarfile.TarInfo(f"bigbench-1.0.0/bigbench/benchmark_tasks/{task}/task.json")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    return path
+
+
+def test_bigbench_prompts_script(tmp_path: Path) -> None:
+    """The BIG-bench prompt builder: every task's inputs without Q:/A: scaffolding, instructions prefixed, short
+    articles left out, output written whole; it refuses an archive that shares a turn with SpecBench, and a bad file."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bigbench_prompts.py"
+    sys.path.insert(0, str(script.parent))
+    try:
+        import bigbench_prompts
+    finally:
+        sys.path.remove(str(script.parent))
+    inputs = {task: [f"Q: Question {i} of {task}?\nA:" for i in range(3)] for task in bigbench_prompts.PROMPT_TASKS}
+    inputs.update({task: ["too short", "A long article. " * 40] for task in bigbench_prompts.PASSAGE_TASKS})
+    archive = _bigbench_archive(tmp_path / "bb.tar.gz", inputs)
+    specbench = tmp_path / "specbench"
+    specbench.mkdir()
+    (specbench / "qa.jsonl").write_text(json.dumps({"turns": ["Something else entirely, asked by nobody at all here."]}) + "\n")
+
+    def run(*args: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(script), *map(str, args), "--specbench", str(specbench)],
+                              capture_output=True, text=True, timeout=120)
+
+    proc = run(archive, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "out" / "prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 3 * len(bigbench_prompts.PROMPT_TASKS)
+    assert "Question 0 of strategyqa?" in prompts and not any(p.startswith("Q:") or p.endswith("A:") for p in prompts)
+    assert "Explain what this Python code does:\n\nQuestion 1 of code_line_description?" in prompts
+    assert sorted(p.name for p in (tmp_path / "out" / "passages").iterdir()) == ["wikilingua_en-0001.txt", "xsum-0001.txt"]
+
+    (specbench / "qa.jsonl").write_text(json.dumps({"turns": ["Question 2 of general_knowledge? And more words here."]}) + "\n")
+    inputs["general_knowledge"].append("Question 2 of general_knowledge? And more words here, longer.")
+    proc = run(_bigbench_archive(tmp_path / "leaky.tar.gz", inputs), tmp_path / "leaky")
+    assert proc.returncode != 0 and "SpecBench turns appear in the text" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "leaky").exists()
+
+    (tmp_path / "bad.tar.gz").write_text("not an archive")
+    for bad, says in ((tmp_path / "bad.tar.gz", "not a readable BIG-bench archive"), (tmp_path / "none.tar.gz", "no file")):
+        proc = run(bad, tmp_path / "never")
+        assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr

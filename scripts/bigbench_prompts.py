@@ -1,0 +1,137 @@
+"""Human-written prompts and news articles for `moaspec data`, from the `bigbench` package on PyPI.
+
+No dataset hub is reachable here, but the BIG-bench source distribution on PyPI
+(`pip download --no-deps bigbench==1.0.0`, 342 MB) holds its tasks' examples. This
+writes a prompt file of human-written questions and requests (StrategyQA, general
+knowledge, the helpful/harmless/honest assistant requests, MathQA word problems,
+Python snippets to explain, passages with questions from DROP and CosmosQA, ...) and a
+directory of articles (XSum's BBC news, WikiLingua's how-to guides) for `--passages`:
+
+    pip download --no-deps -d /tmp/bigbench bigbench==1.0.0
+    python scripts/bigbench_prompts.py /tmp/bigbench/bigbench-1.0.0.tar.gz OUT
+    moaspec data --prompts OUT/prompts.jsonl --passages OUT/passages --pasted-fraction 0.3 ...
+
+None of it comes from SpecBench's sources (MT-bench, Alpaca, GSM8K, HumanEval, Natural
+Questions, CNN/DailyMail); the script refuses to write a prompt or article that shares
+its first 60 characters with a turn of the SpecBench files, if it finds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+from moaspec.errors import MoaspecError
+from moaspec.fileio import atomic_write_dir
+
+# task -> how many examples to take (None: all) and the instruction put before each (None: the input as it is)
+PROMPT_TASKS: dict[str, tuple[int | None, str | None]] = {
+    "strategyqa": (1500, None),
+    "general_knowledge": (None, None),
+    "known_unknowns": (None, None),
+    "physical_intuition": (None, None),
+    "simple_ethical_questions": (None, None),
+    "novel_concepts": (None, None),
+    "understanding_fables": (None, None),
+    "auto_debugging": (None, None),
+    "hhh_alignment/harmless": (None, None),
+    "hhh_alignment/helpful": (None, None),
+    "hhh_alignment/other": (None, None),
+    "hhh_alignment/honest": (None, None),
+    "elementary_math_qa/question_only": (800, None),
+    "code_line_description": (None, "Explain what this Python code does:\n\n"),
+    "natural_instructions/subtask028_drop_answer_generation": (300, None),
+    "natural_instructions/subtask024_cosmosqa_answer_generation": (300, None),
+}
+PASSAGE_TASKS = ("gem/xsum", "gem/wikilingua_en")
+MIN_PASSAGE_CHARS = 400  # shorter articles are left out
+DEFAULT_SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbench"
+
+
+def clean(text: str) -> str:
+    """An example's input without BIG-bench's "Q:" / "A:" scaffolding."""
+    text = re.sub(r"^(Q|Question):\s*", "", text.strip())
+    return re.sub(r"\n?A:\s*$", "", text).strip()
+
+
+def normalised(text: str) -> str:
+    return re.sub(r"\W+", " ", text.lower()).strip()
+
+
+def task_inputs(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], task: str) -> list[str]:
+    """The inputs of a task's examples, stripped."""
+    member = members.get(task)
+    if member is None:
+        sys.exit(f"bigbench_prompts: the archive has no task {task}")
+    data = json.load(tar.extractfile(member))  # type: ignore[arg-type]
+    return [e.get("input", "").strip() for e in data.get("examples", [])]
+
+
+def specbench_openings(specbench: Path) -> set[str]:
+    """The first 60 normalised characters of every SpecBench turn (empty where the files are absent)."""
+    out: set[str] = set()
+    for f in sorted(specbench.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                out.update(normalised(t)[:60] for t in json.loads(line)["turns"] if len(normalised(t)) > 30)
+    return out
+
+
+def read_archive(archive: Path) -> tuple[list[str], dict[str, str]]:
+    """The prompts (in task order) and the passages (file name -> text) that the archive yields."""
+    with tarfile.open(archive) as tar:
+        members = {m.name.split("/benchmark_tasks/")[1].removesuffix("/task.json"): m for m in tar.getmembers()
+                   if "/benchmark_tasks/" in m.name and m.name.endswith("/task.json")}
+        prompts: list[str] = []
+        for task, (limit, instruction) in PROMPT_TASKS.items():
+            inputs = [x for x in map(clean, task_inputs(tar, members, task)) if x]
+            random.Random(task).shuffle(inputs)
+            prompts.extend((instruction or "") + x for x in inputs[:limit])
+        passages = {f"{task.split('/')[-1]}-{i:04d}.txt": x for task in PASSAGE_TASKS
+                    for i, x in enumerate(task_inputs(tar, members, task)) if len(x) > MIN_PASSAGE_CHARS}
+    return prompts, passages
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("archive", type=Path, help="bigbench-1.0.0.tar.gz, as pip downloads it")
+    ap.add_argument("output", help="directory for prompts.jsonl and passages/")
+    ap.add_argument("--seed", type=int, default=27, help="order of the prompts (each task's sample is fixed)")
+    ap.add_argument("--specbench", type=Path, default=DEFAULT_SPECBENCH,
+                    help="SpecBench's JSONL files, whose turns must not appear in the output")
+    args = ap.parse_args()
+    if not args.archive.is_file():
+        sys.exit(f"bigbench_prompts: no file {args.archive}; pip download --no-deps bigbench==1.0.0 fetches it")
+    try:
+        prompts, passages = read_archive(args.archive)
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:  # JSONDecodeError is a ValueError
+        sys.exit(f"bigbench_prompts: {args.archive} is not a readable BIG-bench archive ({e})")
+    prompts = list(dict.fromkeys(prompts))
+    random.Random(args.seed).shuffle(prompts)
+    banned = specbench_openings(args.specbench)
+    corpus = normalised(" ".join(prompts) + " " + " ".join(passages.values()))
+    shared = [b for b in banned if b in corpus]
+    if shared:
+        sys.exit(f"bigbench_prompts: {len(shared)} SpecBench turns appear in the text, e.g. {shared[0]!r}; nothing written")
+
+    def write(tmp: Path) -> None:
+        (tmp / "passages").mkdir()
+        for name, text in passages.items():
+            (tmp / "passages" / name).write_text(text + "\n")
+        (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+    try:
+        atomic_write_dir(args.output, write, marker="prompts.jsonl")
+    except MoaspecError as e:
+        sys.exit(f"bigbench_prompts: {e}")
+    print(f"{args.output}: {len(prompts)} prompts, {len(passages)} passages "
+          f"(checked against {len(banned)} SpecBench turns: none shared)")
+
+
+if __name__ == "__main__":
+    main()
