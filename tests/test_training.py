@@ -347,6 +347,11 @@ def test_warm_start_from_an_exported_drafter(tiny_llama, tiny_data: Path, tmp_pa
     for (k, a), (_, b) in zip(sorted(t.raw.state_dict().items()), sorted(first.state_dict().items())):
         torch.testing.assert_close(a, b.to(a.dtype), msg=k)  # starts exactly where the first run ended
     t.train()
+    # the continued drafter's record keeps what made it, run by run
+    lineage = [json.loads((tmp_path / run / "drafter" / "config.json").read_text())["training"]["lineage"] for run in "ab"]
+    assert len(lineage[0]) == 1 and lineage[0][0].startswith("from random weights: 10 updates at lr ")
+    assert lineage[1][:1] == lineage[0] and len(lineage[1]) == 2 and lineage[1][1].startswith("+2 updates at lr ")
+    assert str(tiny_data) in lineage[1][1] and "1 process(es) on cpu" in lineage[1][1]
     with pytest.raises(MoaspecError, match="not a eagle drafter"):
         Trainer(tiny_llama, tiny_data, tmp_path / "c", small(kind="eagle", init_from=str(tmp_path / "a" / "drafter")),
                 progress=False)

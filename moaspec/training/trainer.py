@@ -125,6 +125,21 @@ def _forget_previous_run_precision() -> None:
     AcceleratorState._reset_state(reset_partial_state=False)
 
 
+def inherited_lineage(drafter_dir: Path) -> list[str]:
+    """The lineage an exported drafter records: its ``training.lineage``, or else one line for the run that
+    wrote it (checkpoints written before lineages were kept), or nothing if it records no training."""
+    try:
+        training = json.loads((drafter_dir / "config.json").read_text()).get("training") or {}
+    except (OSError, ValueError, AttributeError):
+        return []  # load_drafter has already accepted the checkpoint; its record is only informative
+    if isinstance(training.get("lineage"), list):
+        return [str(x) for x in training["lineage"]]
+    if training.get("steps"):
+        return [f"{training['steps']:,} updates ({training.get('tokens', 0):,} loss tokens) on "
+                f"{', '.join(map(str, training.get('data', [])))}"]
+    return []
+
+
 class Trainer:
     def __init__(self, target: LoadedModel, data: Path | Sequence[Path], out: Path, cfg: TrainConfig,
                  sizes: dict[str, Any] | None = None, progress: bool = True) -> None:
@@ -154,8 +169,10 @@ class Trainer:
         self.features = FeatureStore(target.model, cfg.tli_layers)
         torch.manual_seed(cfg.seed)
         drafter: Drafter
+        self.inherited_lineage: list[str] = []  # what made the --init-from drafter, oldest first
         if cfg.init_from:
             drafter = self._warm_start(target, Path(cfg.init_from), sizes or {})
+            self.inherited_lineage = inherited_lineage(Path(cfg.init_from))
         elif cfg.kind == "moa":
             # Cross-Attention's reach: the longest query-to-memory distance these segments show
             drafter = MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers, draft_vocab_size=cfg.draft_vocab,
@@ -309,7 +326,15 @@ class Trainer:
             "val_examples": len(self.val_set), "epoch_shards": self.epoch_shards,
             "steps": self.step, "tokens": self.tokens, "wall_s": round(self.wall, 1), "finished": final,
             "processes": self.acc.num_processes, "config": asdict(self.cfg), "last_val": getattr(self, "last_val", None),
+            "lineage": self.inherited_lineage + [self.lineage_entry()],
         }
+
+    def lineage_entry(self) -> str:
+        """This run in one line, for the drafter's lineage (a drafter continued several times keeps them all)."""
+        start = "+" if self.cfg.init_from else "from random weights: "
+        return (f"{start}{self.step:,} updates at lr {self.cfg.lr:g} ({self.tokens:,} loss tokens) on "
+                f"{', '.join(str(d) for d in self.data_dirs)}; {self.acc.num_processes} process(es) on "
+                f"{self.acc.device.type}, {time.strftime('%Y-%m-%d')}")
 
     def log(self, name: str, row: dict[str, Any]) -> None:
         """Append ``row`` to a CSV log; one begun by a moaspec that logged fewer columns is widened first."""
