@@ -28,6 +28,7 @@ from pathlib import Path
 
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_dir
+from moaspec.specbench import load_questions
 
 # task -> how many examples to take (None: all) and the instruction put before each (None: the input as it is)
 PROMPT_TASKS: dict[str, tuple[int | None, str | None]] = {
@@ -74,12 +75,10 @@ def task_inputs(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], task:
 
 def specbench_openings(specbench: Path) -> set[str]:
     """The first 60 normalised characters of every SpecBench turn (empty where the files are absent)."""
-    out: set[str] = set()
-    for f in sorted(specbench.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                out.update(normalised(t)[:60] for t in json.loads(line)["turns"] if len(normalised(t)) > 30)
-    return out
+    if not any(specbench.glob("*.jsonl")):
+        return set()
+    turns = (normalised(t) for q in load_questions(specbench) for t in q.turns)
+    return {t[:60] for t in turns if len(t) > 30}
 
 
 def read_archive(archive: Path) -> tuple[list[str], dict[str, str]]:
@@ -113,7 +112,10 @@ def main() -> None:
         sys.exit(f"bigbench_prompts: {args.archive} is not a readable BIG-bench archive ({e})")
     prompts = list(dict.fromkeys(prompts))
     random.Random(args.seed).shuffle(prompts)
-    banned = specbench_openings(args.specbench)
+    try:
+        banned = specbench_openings(args.specbench)
+    except MoaspecError as e:
+        sys.exit(f"bigbench_prompts: {e}")
     corpus = normalised(" ".join(prompts) + " " + " ".join(passages.values()))
     shared = [b for b in banned if b in corpus]
     if shared:

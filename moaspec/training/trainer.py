@@ -128,10 +128,11 @@ def _forget_previous_run_precision() -> None:
 def inherited_lineage(drafter_dir: Path) -> list[str]:
     """The lineage an exported drafter records: its ``training.lineage``, or else one line for the run that
     wrote it (checkpoints written before lineages were kept), or nothing if it records no training."""
-    try:
-        training = json.loads((drafter_dir / "config.json").read_text()).get("training") or {}
-    except (OSError, ValueError, AttributeError):
-        return []  # load_drafter has already accepted the checkpoint; its record is only informative
+    from moaspec.drafters.checkpoint import read_meta
+
+    training = read_meta(drafter_dir).get("training")  # load_drafter has already accepted this checkpoint
+    if not isinstance(training, dict):
+        return []
     if isinstance(training.get("lineage"), list):
         return [str(x) for x in training["lineage"]]
     if training.get("steps"):
