@@ -13,7 +13,6 @@ target's p. For every prompt and temperature both run back to back with the same
 from __future__ import annotations
 
 from collections.abc import Sequence
-from math import comb
 
 import torch
 
@@ -27,6 +26,7 @@ from moaspec.models.kv_cache import KVCache
 from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
+from compare_tau import sign_test  # beside this script
 
 
 class PointMassDrafts:
@@ -46,15 +46,6 @@ class PointMassDrafts:
 
     def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None:
         self.inner.commit(verified, path, hidden)
-
-
-def sign_test(higher: int, lower: int) -> float:
-    """Two-sided sign test p-value (ties dropped)."""
-    n = higher + lower
-    if n == 0:
-        return 1.0
-    tail = sum(comb(n, k) for k in range(min(higher, lower) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 def main() -> None:

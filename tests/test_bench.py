@@ -156,3 +156,51 @@ def test_prompt_seeds_differ_by_prompt_and_run_seed() -> None:
 
     assert prompt_seed(5, [1, 2, 3]) == prompt_seed(5, [1, 2, 3])
     assert len({prompt_seed(5, [1, 2, 3]), prompt_seed(5, [1, 2, 4]), prompt_seed(6, [1, 2, 3])}) == 3
+
+
+def _chain_tau_output(path: Path, taus: dict[tuple[str, int], list[int]]) -> Path:
+    """A stand-in for ``chain_tau.py --output``: one row per prompt with its accepted lengths."""
+    rows = [{"category": c, "question": str(q), "tau": sum(a) / len(a), "accepted": a} for (c, q), a in taus.items()]
+    path.write_text(json.dumps({"args": {}, "summary": {}, "rows": rows}))
+    return path
+
+
+def test_compare_tau_pools_pairs_and_sign_tests(tmp_path: Path) -> None:
+    """benchmarks/compare_tau.py: τ pooled over cycles, prompts higher/lower/equal and the exact two-sided sign
+    test, per category and overall, several pairs pooled; prompts that differ, odd or bad files get a clear error."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "compare_tau.py"
+    sys.path.insert(0, str(script.parent))
+    try:
+        import compare_tau
+    finally:
+        sys.path.remove(str(script.parent))
+    assert compare_tau.sign_test(0, 0) == 1.0 and compare_tau.sign_test(3, 3) == 1.0
+    assert compare_tau.sign_test(5, 0) == pytest.approx(2 / 32) and compare_tau.sign_test(0, 5) == pytest.approx(2 / 32)
+    assert compare_tau.sign_test(7, 1) == pytest.approx(2 * 9 / 256)
+
+    base = _chain_tau_output(tmp_path / "base.json", {("qa", 0): [1, 1], ("qa", 1): [2, 2], ("sum", 0): [3]})
+    new = _chain_tau_output(tmp_path / "new.json", {("qa", 0): [2, 2, 2], ("qa", 1): [2], ("sum", 0): [1]})
+    base2 = _chain_tau_output(tmp_path / "base2.json", {("qa", 5): [1]})
+    new2 = _chain_tau_output(tmp_path / "new2.json", {("qa", 5): [4]})
+    result = compare_tau.compare([(compare_tau.load_rows(base), compare_tau.load_rows(new)),
+                                  (compare_tau.load_rows(base2), compare_tau.load_rows(new2))])
+    assert result["qa"] == {"prompts": 3, "base_tau": 7 / 5, "new_tau": 2.4, "higher": 2, "lower": 0, "equal": 1,
+                            "sign_test_p": 0.5}
+    assert result["overall"]["prompts"] == 4 and result["overall"]["base_tau"] == round(10 / 6, 3)
+    assert (result["overall"]["higher"], result["overall"]["lower"], result["overall"]["equal"]) == (2, 1, 1)
+    assert list(result) == ["qa", "sum", "overall"]
+
+    def run(*files: Path | str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(script), *map(str, files)], capture_output=True, text=True, timeout=120)
+
+    proc = run(base, new, base2, new2, "--output", tmp_path / "out.json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "out.json").read_text())["comparison"] == result
+    (tmp_path / "bad.json").write_text("{not json")
+    for files, says in (((base,), "in pairs"), ((base, new2), "3 only in the first file, 1 only in the second"),
+                        ((base, tmp_path / "none.json"), "no file"), ((base, tmp_path / "bad.json"), "not the output")):
+        proc = run(*files)
+        assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr

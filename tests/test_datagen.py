@@ -364,3 +364,49 @@ def test_bigbench_prompts_script(tmp_path: Path) -> None:
     for bad, says in ((tmp_path / "bad.tar.gz", "not a readable BIG-bench archive"), (tmp_path / "none.tar.gz", "no file")):
         proc = run(bad, tmp_path / "never")
         assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_code_prompts_script(tmp_path: Path) -> None:
+    """The code-completion prompt builder: public top-level functions with a one-line signature, a sentence of
+    docstring and a body, as written (signature and docstring, no body), under an instruction; test directories,
+    private functions, stubs and wrapped signatures left out; it refuses text shared with SpecBench, and bad roots."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "code_prompts.py"
+    root = tmp_path / "lib"
+    (root / "pkg" / "tests").mkdir(parents=True)
+    (root / "pkg" / "maths.py").write_text(
+        "import os\n\n"
+        "@staticmethod\n"
+        "def clamp(x: int, lo: int, hi: int) -> int:\n"
+        '    """Return x limited to the range from lo to hi, inclusive.\n\n    >>> clamp(5, 0, 3)\n    3\n    """\n'
+        "    return max(lo, min(x, hi))\n\n"
+        "def _hidden(x):\n    \"\"\"A private helper that nobody should be asked to write.\"\"\"\n    return x\n\n"
+        "def stub(x):\n    \"\"\"A stub whose body is only this docstring, nothing to learn.\"\"\"\n\n"
+        "def wrapped(\n    x,\n):\n    \"\"\"A function whose signature spans several lines here.\"\"\"\n    return x\n")
+    (root / "pkg" / "tests" / "test_maths.py").write_text(
+        "def test_clamp(x):\n    \"\"\"A test function, which is not a specification at all.\"\"\"\n    assert x\n")
+    specbench = tmp_path / "specbench"
+    specbench.mkdir()
+    (specbench / "humaneval.jsonl").write_text(json.dumps({"turns": ["Something else entirely, asked by nobody at all."]}) + "\n")
+
+    def run(*args: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(script), *map(str, args), "--specbench", str(specbench)],
+                              capture_output=True, text=True, timeout=120)
+
+    proc = run(tmp_path / "prompts.jsonl", "--roots", root)
+    assert proc.returncode == 0, proc.stderr
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert prompts == ["Complete this Python function.\n\ndef clamp(x: int, lo: int, hi: int) -> int:\n"
+                       '    """Return x limited to the range from lo to hi, inclusive.\n\n    >>> clamp(5, 0, 3)\n    3\n    """\n']
+
+    (specbench / "humaneval.jsonl").write_text(json.dumps({"turns": ["def clamp(x: int, lo: int, hi: int) -> int: Return x limited"]}) + "\n")
+    proc = run(tmp_path / "leaky.jsonl", "--roots", root)
+    assert proc.returncode != 0 and "SpecBench turns appear in the text" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "leaky.jsonl").exists()
+    for args, says in (((tmp_path / "x.jsonl", "--roots", tmp_path / "none"), "not a directory"),
+                       ((tmp_path / "x.jsonl", "--roots", specbench),
+                        "no documented public functions")):
+        proc = run(*args)
+        assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
