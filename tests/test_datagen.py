@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -323,18 +325,23 @@ def _bigbench_archive(path: Path, inputs: dict[str, list[str]]) -> Path:
     return path
 
 
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _run_script(name: str, specbench: Path, *args: object) -> subprocess.CompletedProcess[str]:
+    """One of scripts/*.py run as a user runs it, checking against the given SpecBench directory."""
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *map(str, args), "--specbench", str(specbench)],
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_bigbench_prompts_script(tmp_path: Path) -> None:
     """The BIG-bench prompt builder: every task's inputs without Q:/A: scaffolding, instructions prefixed, short
     articles left out, output written whole; it refuses an archive that shares a turn with SpecBench, and a bad file."""
-    import subprocess
-    import sys
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bigbench_prompts.py"
-    sys.path.insert(0, str(script.parent))
+    sys.path.insert(0, str(SCRIPTS))
     try:
         import bigbench_prompts
     finally:
-        sys.path.remove(str(script.parent))
+        sys.path.remove(str(SCRIPTS))
     inputs = {task: [f"Q: Question {i} of {task}?\nA:" for i in range(3)] for task in bigbench_prompts.PROMPT_TASKS}
     inputs.update({task: ["too short", "A long article. " * 40] for task in bigbench_prompts.PASSAGE_TASKS})
     archive = _bigbench_archive(tmp_path / "bb.tar.gz", inputs)
@@ -343,8 +350,7 @@ def test_bigbench_prompts_script(tmp_path: Path) -> None:
     (specbench / "qa.jsonl").write_text(json.dumps({"turns": ["Something else entirely, asked by nobody at all here."]}) + "\n")
 
     def run(*args: object) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(script), *map(str, args), "--specbench", str(specbench)],
-                              capture_output=True, text=True, timeout=120)
+        return _run_script("bigbench_prompts.py", specbench, *args)
 
     proc = run(archive, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
@@ -370,10 +376,6 @@ def test_code_prompts_script(tmp_path: Path) -> None:
     """The code-completion prompt builder: public top-level functions with a one-line signature, a sentence of
     docstring and a body, as written (signature and docstring, no body), under an instruction; test directories,
     private functions, stubs and wrapped signatures left out; it refuses text shared with SpecBench, and bad roots."""
-    import subprocess
-    import sys
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "code_prompts.py"
     root = tmp_path / "lib"
     (root / "pkg" / "tests").mkdir(parents=True)
     (root / "pkg" / "maths.py").write_text(
@@ -392,8 +394,7 @@ def test_code_prompts_script(tmp_path: Path) -> None:
     (specbench / "humaneval.jsonl").write_text(json.dumps({"turns": ["Something else entirely, asked by nobody at all."]}) + "\n")
 
     def run(*args: object) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(script), *map(str, args), "--specbench", str(specbench)],
-                              capture_output=True, text=True, timeout=120)
+        return _run_script("code_prompts.py", specbench, *args)
 
     proc = run(tmp_path / "prompts.jsonl", "--roots", root)
     assert proc.returncode == 0, proc.stderr
