@@ -29,7 +29,6 @@ from moaspec.drafters import load_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.proposers import DrafterProposer, proposer_for
 from moaspec.models.transformer import Transformer
-from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
 
@@ -93,7 +92,7 @@ def main() -> None:
     if args.vocabulary == "full":
         use_vocabulary(drafter, lm.model, torch.arange(lm.cfg.vocab_size))
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    questions = load_questions(args.questions, per_file=args.per_file)
+    questions = specbench_script.questions(args)
     prompts = [(q, encode_chat(lm.tokenizer, chat_messages(q.turns[0]))) for q in questions]
     generate_chain(lm.model, lm.tokenizer, proposer_for(drafter), prompts[0][1], GenerationConfig(max_new_tokens=16))
     generate(lm.model, lm.tokenizer, prompts[0][1], GenerationConfig(max_new_tokens=16))

@@ -28,7 +28,6 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter, shipped_drafter
-from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
 
@@ -63,7 +62,7 @@ def main() -> None:
     second = args.compare or shipped_drafter(lm, "eagle")
     if second is None:
         raise SystemExit("no EAGLE drafter ships for this target: name one with --compare")
-    prompts = [encode_chat(lm.tokenizer, chat_messages(q.turns[0])) for q in load_questions(args.questions, args.per_file)]
+    prompts = [encode_chat(lm.tokenizer, chat_messages(q.turns[0])) for q in specbench_script.questions(args)]
     results = {}
     for path, dtype in ((p, d) for p in (first, str(second)) for d in dtypes):
         strategy = Strategy(load_drafter(path, lm, dtype), tree=TreeShape())

@@ -29,7 +29,6 @@ from moaspec.drafters import load_drafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.drafters.proposers import proposer_for
 from moaspec.models import LoadedModel
-from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
 
@@ -65,7 +64,7 @@ def main() -> None:
             d.cfg = replace(d.cfg, ca_reach=NO_REACH if r == "none" else int(r))
         variants[r] = d
     per: list[dict[str, object]] = []
-    for q in load_questions(args.questions, per_file=args.per_file):
+    for q in specbench_script.questions(args):
         prompt = encode_chat(lm.tokenizer, chat_messages(q.turns[0]))
         cfg = GenerationConfig(max_new_tokens=args.verified, ignore_eos=True)
         context = prompt + generate(lm.model, lm.tokenizer, prompt, cfg).token_ids

@@ -23,7 +23,6 @@ from moaspec.decoding.speculative import generate_chain
 from moaspec.drafters import load_drafter
 from moaspec.drafters.proposers import proposer_for
 from moaspec.models.kv_cache import KVCache
-from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
 from compare_tau import sign_test  # beside this script
@@ -58,7 +57,7 @@ def main() -> None:
     lm, path = specbench_script.target_and_drafter_path(args)
     drafter = load_drafter(path, lm)
     temps = [float(t) for t in args.temperatures.split(",")]
-    questions = load_questions(args.questions, per_file=args.per_file)
+    questions = specbench_script.questions(args)
     prompts = [(q, encode_chat(lm.tokenizer, chat_messages(q.turns[0]))) for q in questions]
     make = {"sampled": lambda: proposer_for(drafter), "point": lambda: PointMassDrafts(proposer_for(drafter), lm.cfg.vocab_size)}
     warm = GenerationConfig(max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=0))

@@ -13,6 +13,7 @@ import torch
 from moaspec.drafters import shipped_drafter
 from moaspec.fileio import atomic_write_text
 from moaspec.models import LoadedModel, load_model
+from moaspec.specbench import Question, load_questions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,10 +23,17 @@ def parser(doc: str | None, per_file: int) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
     ap.add_argument("--per-file", type=int, default=per_file, help="the first K questions of each file")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="leave out the first K questions of each file first (--skip 10 --per-file 10: the next ten)")
     ap.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the shipped MoA drafter)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--output", default=None, help="write the arguments and results as JSON here")
     return ap
+
+
+def questions(args: argparse.Namespace) -> list[Question]:
+    """The questions ``--questions``, ``--skip`` and ``--per-file`` select."""
+    return load_questions(args.questions, per_file=args.per_file, skip=args.skip)
 
 
 def target_and_drafter_path(args: argparse.Namespace) -> tuple[LoadedModel, str]:

@@ -25,7 +25,6 @@ from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.models import LoadedModel
-from moaspec.specbench import load_questions
 
 import specbench_script  # beside this script
 
@@ -139,7 +138,7 @@ def main() -> None:
         configs = {"vanilla": Strategy(), **GRIDS[args.grid](full)}
 
     prompts = [encode_chat(lm.tokenizer, chat_messages(q.turns[0]))
-               for q in load_questions(args.questions, per_file=args.per_file)]
+               for q in specbench_script.questions(args)]
     names = list(configs)
     for n in names:  # warm-up
         configs[n].run(lm, prompts[0][:32], cfg)

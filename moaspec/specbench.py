@@ -17,11 +17,12 @@ class Question:
     turns: tuple[str, ...]
 
 
-def load_questions(path: str | Path, per_file: int | None = None) -> list[Question]:
+def load_questions(path: str | Path, per_file: int | None = None, skip: int = 0) -> list[Question]:
     """All questions of a ``.jsonl`` file or of every ``.jsonl`` in a directory (sorted by name).
 
-    ``per_file`` keeps the first K of each file. The category is the file name, as the
-    ``category`` field of mt_bench holds sub-categories.
+    ``per_file`` keeps the first K of each file, after leaving out its first ``skip`` (so that
+    a second sample of the same size measures what the first did not). The category is the
+    file name, as the ``category`` field of mt_bench holds sub-categories.
     """
     path = Path(path)
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
@@ -29,6 +30,8 @@ def load_questions(path: str | Path, per_file: int | None = None) -> list[Questi
         raise MoaspecError(f"no SpecBench .jsonl question files at {path}")
     if per_file is not None and per_file < 1:
         raise MoaspecError(f"--limit must be >= 1 (questions per file), got {per_file}")
+    if skip < 0:
+        raise MoaspecError(f"cannot leave out a negative number of questions per file ({skip})")
     out: list[Question] = []
     for f in files:
         try:
@@ -49,6 +52,7 @@ def load_questions(path: str | Path, per_file: int | None = None) -> list[Questi
             if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
                 raise MoaspecError(f"{f}:{n} has no turns, or an empty one")
             rows.append(Question(str(obj.get("question_id", n)), f.stem, tuple(turns)))
+        rows = rows[skip:]
         out.extend(rows[:per_file] if per_file else rows)
     if not out:
         raise MoaspecError(f"no questions in {path} (its .jsonl files are empty)")

@@ -236,6 +236,23 @@ def test_bad_question_files(tmp_path: Path, content, fragment) -> None:  # type:
         load_questions(f)
 
 
+def test_questions_per_file_after_skipping(tmp_path: Path) -> None:
+    """``skip`` then ``per_file`` select the same slice of every file: the second ten measure what the first did not."""
+    from moaspec.errors import MoaspecError
+    from moaspec.specbench import load_questions
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"question_id": i, "turns": [f"{name}{i}?"]}) + "\n"
+                                                        for i in range(5)))
+    picked = load_questions(tmp_path, per_file=2, skip=2)
+    assert [(q.category, q.question_id) for q in picked] == [("a", "2"), ("a", "3"), ("b", "2"), ("b", "3")]
+    assert [q.question_id for q in load_questions(tmp_path, skip=4)] == ["4", "4"]
+    with pytest.raises(MoaspecError, match="no questions"):
+        load_questions(tmp_path, skip=5)
+    with pytest.raises(MoaspecError, match="negative"):
+        load_questions(tmp_path, skip=-1)
+
+
 def test_bench_refuses_bad_questions_and_outputs_before_measuring(tiny_dirs, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     from moaspec.cli import main
 
