@@ -70,7 +70,7 @@ def compare(pairs: list[tuple[dict[tuple[str, str], Row], dict[tuple[str, str], 
         for key in base:
             groups[key[0]].append((base[key], new[key]))
     groups = dict(sorted(groups.items()))
-    groups["overall"] = [p for g in list(groups.values()) for p in g]
+    groups["overall"] = [p for g in groups.values() for p in g]
     result = {}
     for name, matched in groups.items():
         higher = sum(n["tau"] > b["tau"] for b, n in matched)

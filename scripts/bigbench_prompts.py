@@ -24,6 +24,7 @@ import random
 import re
 import sys
 import tarfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from moaspec.errors import MoaspecError
@@ -81,6 +82,16 @@ def specbench_openings(specbench: Path) -> set[str]:
     return {t[:60] for t in turns if len(t) > 30}
 
 
+def refuse_specbench_overlap(specbench: Path, texts: Iterable[str]) -> int:
+    """Raise if the opening of any SpecBench turn appears in the texts; returns how many turns were checked."""
+    banned = specbench_openings(specbench)
+    corpus = normalised(" ".join(texts))
+    shared = [b for b in banned if b in corpus]
+    if shared:
+        raise MoaspecError(f"{len(shared)} SpecBench turns appear in the text, e.g. {shared[0]!r}; nothing written")
+    return len(banned)
+
+
 def read_archive(archive: Path) -> tuple[list[str], dict[str, str]]:
     """The prompts (in task order) and the passages (file name -> text) that the archive yields."""
     with tarfile.open(archive) as tar:
@@ -113,13 +124,9 @@ def main() -> None:
     prompts = list(dict.fromkeys(prompts))
     random.Random(args.seed).shuffle(prompts)
     try:
-        banned = specbench_openings(args.specbench)
+        checked = refuse_specbench_overlap(args.specbench, [*prompts, *passages.values()])
     except MoaspecError as e:
         sys.exit(f"bigbench_prompts: {e}")
-    corpus = normalised(" ".join(prompts) + " " + " ".join(passages.values()))
-    shared = [b for b in banned if b in corpus]
-    if shared:
-        sys.exit(f"bigbench_prompts: {len(shared)} SpecBench turns appear in the text, e.g. {shared[0]!r}; nothing written")
 
     def write(tmp: Path) -> None:
         (tmp / "passages").mkdir()
@@ -132,7 +139,7 @@ def main() -> None:
     except MoaspecError as e:
         sys.exit(f"bigbench_prompts: {e}")
     print(f"{args.output}: {len(prompts)} prompts, {len(passages)} passages "
-          f"(checked against {len(banned)} SpecBench turns: none shared)")
+          f"(checked against {checked} SpecBench turns: none shared)")
 
 
 if __name__ == "__main__":
