@@ -140,7 +140,7 @@ def test_bench_samples_every_method_reproducibly(tiny_dirs, setup, tmp_path: Pat
 
     greedy = run(tmp_path / "greedy")
     sampled = run(tmp_path / "t1", "--temperature", "1.0", "--top-k", "40", "--seed", "5")
-    again = run(tmp_path / "t2", "--temperature", "1.0", "--top-k", "40", "--seed", "5")
+    run(tmp_path / "t2", "--temperature", "1.0", "--top-k", "40", "--seed", "5")
     assert greedy["greedy"] and not sampled["greedy"]
     for m in ALL:
         o = sampled["results"][m]["overall"]

@@ -412,7 +412,7 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
             (("GET", "/info"), {"headers": {"Authorization": ""}}, 401, "didn't provide"),
         ]
         hot = http.post("/sessions", json={"prompt": PROMPT, "sampling": {"temperature": 1.0, "seed": 1}}).json()
-        hid, hn, verify = hot["session"], hot["verified"], f"/sessions/{hot['session']}/verify"
+        hn, verify = hot["verified"], f"/sessions/{hot['session']}/verify"
         one = {"ids": [1, 2], "probs": [0.5, 0.5]}
         cases += [
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1], "dists": [one]}}, 400,
