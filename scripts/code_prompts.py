@@ -11,9 +11,9 @@ completion instructions, for `moaspec data --prompts`:
 
 Only public top-level functions with a one-line signature whose docstring reads like a
 specification (a sentence, at most --max-doc characters) are taken, at most --per-module
-from one module, so that no package dominates. None of it comes from HumanEval; like `bigbench_prompts.py`, the script
-refuses to write anything that shares its first 60 normalised characters with a turn of
-the SpecBench files, if it finds them.
+from one module, so that no package dominates. None of it comes from HumanEval; like
+`bigbench_prompts.py`, the script refuses to write anything that shares its first 60
+normalised characters with a turn of the SpecBench files, if it finds them.
 """
 
 from __future__ import annotations
