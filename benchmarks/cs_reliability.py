@@ -13,8 +13,10 @@ over the second half against the first half, to tell a plateau from growth).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -34,6 +36,13 @@ SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbenc
 
 def rss_mb(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024  # type: ignore[union-attr]
+
+
+def quarters(samples: list[float]) -> list[list[float]]:
+    """The samples in four consecutive runs of (nearly) equal length, none empty."""
+    n = len(samples)
+    bounds = [round(n * k / 4) for k in range(5)]
+    return [samples[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def main() -> None:
@@ -93,7 +102,12 @@ def main() -> None:
         "failure_examples": failures[:5], "tokens": sum(done), "tokens_per_s": round(sum(done) / wall, 2),
         "server_rss_mb": {"first": round(memory[0], 1), "max": round(max(memory), 1), "last": round(memory[-1], 1),
                           "max_first_half": round(max(memory[:half] or memory), 1),
-                          "max_second_half": round(max(memory[half:]), 1)},
+                          "max_second_half": round(max(memory[half:]), 1),
+                          # a plateau shows as quarters that stop rising, slow growth as ones that keep rising; the
+                          # median, unlike the max, is not lifted by a few long prompts that happen to coincide
+                          "max_by_quarter": [round(max(q), 1) for q in quarters(memory)],
+                          "median_by_quarter": [round(statistics.median(q), 1) for q in quarters(memory)]},
+        "server_rss_samples_mb": [round(m) for m in memory],  # every 2 s
     }
     print(json.dumps(result, indent=2))
     if args.output:

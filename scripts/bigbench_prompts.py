@@ -11,6 +11,10 @@ directory of articles (XSum's BBC news, WikiLingua's how-to guides) for `--passa
     python scripts/bigbench_prompts.py /tmp/bigbench/bigbench-1.0.0.tar.gz OUT
     moaspec data --prompts OUT/prompts.jsonl --passages OUT/passages --pasted-fraction 0.3 ...
 
+With `--factual` it writes short factual questions instead, and no articles: Wikidata facts
+asked as questions ("What is the capital of Kenya?") and QASC's science questions, the
+shape of the short questions SpecBench's qa category asks.
+
 None of it comes from SpecBench's sources (MT-bench, Alpaca, GSM8K, HumanEval, Natural
 Questions, CNN/DailyMail); the script refuses to write a prompt or article that shares
 its first 60 characters with a turn of the SpecBench files, if it finds them.
@@ -50,6 +54,29 @@ PROMPT_TASKS: dict[str, tuple[int | None, str | None]] = {
     "natural_instructions/subtask028_drop_answer_generation": (300, None),
     "natural_instructions/subtask024_cosmosqa_answer_generation": (300, None),
 }
+# --factual: short questions about a named thing or a fact, the shape of Natural Questions (SpecBench's qa),
+# which the prompts above hardly have; task -> how to turn an example's input into a question (None: leave it out)
+WIKIDATA_RELATIONS = frozenset({
+    "capital", "continent", "country", "currency", "developer", "genre", "headquarters location", "instrument",
+    "language", "manufacturer", "military branch", "native language", "official language", "operating system",
+    "original broadcaster", "publisher", "record label", "religion", "team position"})
+FACTUAL_PER_TASK = 1500
+
+
+def wikidata_question(statement: str) -> str | None:
+    """'The capital of Kenya is' -> 'What is the capital of Kenya?', for the relations that read well so."""
+    m = re.fullmatch(r"The (.+?) of (.+) is", statement)
+    return f"What is the {m.group(1)} of {m.group(2)}?" if m and m.group(1) in WIKIDATA_RELATIONS else None
+
+
+def qasc_question(text: str) -> str | None:
+    """QASC's 'Fact: ... Question: ...' -> the question alone: the fact above it would give the answer away."""
+    m = re.search(r"Question:\s*(.+\?)", text)
+    return m.group(1).strip() if m else None
+
+
+FACTUAL_TASKS = {"qa_wikidata": wikidata_question,
+                 "natural_instructions/subtask041_qasc_answer_generation": qasc_question}
 PASSAGE_TASKS = ("gem/xsum", "gem/wikilingua_en")
 MIN_PASSAGE_CHARS = 400  # shorter articles are left out
 DEFAULT_SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbench"
@@ -92,12 +119,19 @@ def refuse_specbench_overlap(specbench: Path, texts: Iterable[str]) -> int:
     return len(banned)
 
 
-def read_archive(archive: Path) -> tuple[list[str], dict[str, str]]:
-    """The prompts (in task order) and the passages (file name -> text) that the archive yields."""
+def read_archive(archive: Path, factual: bool = False) -> tuple[list[str], dict[str, str]]:
+    """The prompts (in task order) and the passages (file name -> text) that the archive yields; with `factual`,
+    FACTUAL_TASKS' questions and no passages."""
     with tarfile.open(archive) as tar:
         members = {m.name.split("/benchmark_tasks/")[1].removesuffix("/task.json"): m for m in tar.getmembers()
                    if "/benchmark_tasks/" in m.name and m.name.endswith("/task.json")}
         prompts: list[str] = []
+        if factual:
+            for task, question in FACTUAL_TASKS.items():
+                questions = list(dict.fromkeys(q for q in map(question, task_inputs(tar, members, task)) if q))
+                random.Random(task).shuffle(questions)
+                prompts.extend(questions[:FACTUAL_PER_TASK])
+            return prompts, {}
         for task, (limit, instruction) in PROMPT_TASKS.items():
             inputs = [x for x in map(clean, task_inputs(tar, members, task)) if x]
             random.Random(task).shuffle(inputs)
@@ -114,11 +148,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=27, help="order of the prompts (each task's sample is fixed)")
     ap.add_argument("--specbench", type=Path, default=DEFAULT_SPECBENCH,
                     help="SpecBench's JSONL files, whose turns must not appear in the output")
+    ap.add_argument("--factual", action="store_true",
+                    help="short factual questions (Wikidata facts asked as questions, QASC's science questions) "
+                         "instead of the mixed prompts and articles")
     args = ap.parse_args()
     if not args.archive.is_file():
         sys.exit(f"bigbench_prompts: no file {args.archive}; pip download --no-deps bigbench==1.0.0 fetches it")
     try:
-        prompts, passages = read_archive(args.archive)
+        prompts, passages = read_archive(args.archive, args.factual)
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:  # JSONDecodeError is a ValueError
         sys.exit(f"bigbench_prompts: {args.archive} is not a readable BIG-bench archive ({e})")
     prompts = list(dict.fromkeys(prompts))
@@ -129,7 +166,7 @@ def main() -> None:
         sys.exit(f"bigbench_prompts: {e}")
 
     def write(tmp: Path) -> None:
-        (tmp / "passages").mkdir()
+        (tmp / "passages").mkdir()  # empty with --factual, so that --passages OUT/passages still reads
         for name, text in passages.items():
             (tmp / "passages" / name).write_text(text + "\n")
         (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))

@@ -336,7 +336,7 @@ def _run_script(name: str, specbench: Path, *args: object) -> subprocess.Complet
 
 def test_bigbench_prompts_script(tmp_path: Path) -> None:
     """The BIG-bench prompt builder: every task's inputs without Q:/A: scaffolding, instructions prefixed, short
-    articles left out, output written whole; it refuses an archive that shares a turn with SpecBench, and a bad file."""
+    articles left out, output written whole; with --factual, Wikidata facts and QASC items as questions; it refuses an archive that shares a turn with SpecBench, and a bad file."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         import bigbench_prompts
@@ -359,6 +359,16 @@ def test_bigbench_prompts_script(tmp_path: Path) -> None:
     assert "Question 0 of strategyqa?" in prompts and not any(p.startswith("Q:") or p.endswith("A:") for p in prompts)
     assert "Explain what this Python code does:\n\nQuestion 1 of code_line_description?" in prompts
     assert sorted(p.name for p in (tmp_path / "out" / "passages").iterdir()) == ["wikilingua_en-0001.txt", "xsum-0001.txt"]
+
+    inputs["qa_wikidata"] = ["The capital of Kenya is", "The capital of Kenya is", "The eye color of Anne is", "Odd"]
+    inputs["natural_instructions/subtask041_qasc_answer_generation"] = [
+        "Fact: earthquakes can damage buildings. \nQuestion: What can damage buildings?", "Fact: no question here."]
+    proc = run(_bigbench_archive(tmp_path / "factual.tar.gz", inputs), tmp_path / "factual", "--factual")
+    assert proc.returncode == 0, proc.stderr
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "factual" / "prompts.jsonl").read_text().splitlines()]
+    # only the relations that read well as a question, each once; the QASC fact that gives the answer away dropped
+    assert sorted(prompts) == ["What can damage buildings?", "What is the capital of Kenya?"]
+    assert not any((tmp_path / "factual" / "passages").iterdir())
 
     (specbench / "qa.jsonl").write_text(json.dumps({"turns": ["Question 2 of general_knowledge? And more words here."]}) + "\n")
     inputs["general_knowledge"].append("Question 2 of general_knowledge? And more words here, longer.")

@@ -43,6 +43,7 @@ from moaspec.models.transformer import tree_mask
 from moaspec.drafters.moa import MoADrafter
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
+from moaspec.heap import release_free_memory
 
 MAX_SUPPORT = 64  # most tokens in one draft's distribution (the client sends its top 32)
 
@@ -127,8 +128,11 @@ class SessionStore:
     def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
-            for sid in [sid for sid, s in self._sessions.items() if s.expires < now]:
+            expired = [sid for sid, s in self._sessions.items() if s.expires < now]
+            for sid in expired:
                 del self._sessions[sid]
+        if expired:
+            release_free_memory()
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         vocab = self.target.cfg.vocab_size
@@ -302,3 +306,4 @@ class SessionStore:
         with self._lock:
             if self._sessions.pop(sid, None) is None:
                 raise SessionError(404, "unknown or expired session")
+        release_free_memory()  # the session's cache is freed by now, unless a verification still runs on it

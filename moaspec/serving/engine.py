@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from moaspec.decoding.generation import GenerationConfig, GenerationResult
 from moaspec.decoding.strategy import Strategy
 from moaspec.errors import MoaspecError
+from moaspec.heap import release_free_memory
 from moaspec.models.loading import LoadedModel
 
 
@@ -105,6 +106,7 @@ class Engine:
                     deliver(exc)
             finally:
                 self._release()
+                release_free_memory()  # the request's cache and drafter state are freed by now
 
         try:
             self._pool.submit(work)
