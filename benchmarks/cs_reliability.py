@@ -97,6 +97,7 @@ def main() -> None:
     server.terminate()
     server.wait(30)
     half = len(memory) // 2
+    by_quarter = quarters(memory)
     result = {
         "clients": args.clients, "seconds": round(wall, 1), "generations": len(done), "failures": len(failures),
         "failure_examples": failures[:5], "tokens": sum(done), "tokens_per_s": round(sum(done) / wall, 2),
@@ -105,8 +106,8 @@ def main() -> None:
                           "max_second_half": round(max(memory[half:]), 1),
                           # a plateau shows as quarters that stop rising, slow growth as ones that keep rising; the
                           # median, unlike the max, is not lifted by a few long prompts that happen to coincide
-                          "max_by_quarter": [round(max(q), 1) for q in quarters(memory)],
-                          "median_by_quarter": [round(statistics.median(q), 1) for q in quarters(memory)]},
+                          "max_by_quarter": [round(max(q), 1) for q in by_quarter],
+                          "median_by_quarter": [round(statistics.median(q), 1) for q in by_quarter]},
         "server_rss_samples_mb": [round(m) for m in memory],  # every 2 s
     }
     print(json.dumps(result, indent=2))

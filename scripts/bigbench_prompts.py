@@ -55,7 +55,7 @@ PROMPT_TASKS: dict[str, tuple[int | None, str | None]] = {
     "natural_instructions/subtask024_cosmosqa_answer_generation": (300, None),
 }
 # --factual: short questions about a named thing or a fact, the shape of Natural Questions (SpecBench's qa),
-# which the prompts above hardly have; task -> how to turn an example's input into a question (None: leave it out)
+# which the prompts above hardly have
 WIKIDATA_RELATIONS = frozenset({
     "capital", "continent", "country", "currency", "developer", "genre", "headquarters location", "instrument",
     "language", "manufacturer", "military branch", "native language", "official language", "operating system",
@@ -75,6 +75,7 @@ def qasc_question(text: str) -> str | None:
     return m.group(1).strip() if m else None
 
 
+# task -> how to turn an example's input into a question (None: leave the example out)
 FACTUAL_TASKS = {"qa_wikidata": wikidata_question,
                  "natural_instructions/subtask041_qasc_answer_generation": qasc_question}
 PASSAGE_TASKS = ("gem/xsum", "gem/wikilingua_en")

@@ -336,7 +336,8 @@ def _run_script(name: str, specbench: Path, *args: object) -> subprocess.Complet
 
 def test_bigbench_prompts_script(tmp_path: Path) -> None:
     """The BIG-bench prompt builder: every task's inputs without Q:/A: scaffolding, instructions prefixed, short
-    articles left out, output written whole; with --factual, Wikidata facts and QASC items as questions; it refuses an archive that shares a turn with SpecBench, and a bad file."""
+    articles left out, output written whole; with --factual, Wikidata facts and QASC items as questions; it refuses
+    an archive that shares a turn with SpecBench, and a bad file."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         import bigbench_prompts
