@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import specbench_script  # beside this script
 import torch
 
 from moaspec.chat import chat_messages, encode_chat
@@ -29,8 +30,6 @@ from moaspec.drafters import load_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.proposers import DrafterProposer, proposer_for
 from moaspec.models.transformer import Transformer
-
-import specbench_script  # beside this script
 
 BUCKETS = 10  # draft probabilities in tenths
 

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import specbench_script  # beside this script
 import torch
 
 from moaspec.chat import chat_messages, encode_chat
@@ -28,8 +29,6 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter, shipped_drafter
-
-import specbench_script  # beside this script
 
 TIMED = ("observe", "step")  # the drafter calls a decoding cycle makes
 

@@ -21,7 +21,13 @@ from collections.abc import Callable
 import torch
 
 from moaspec.models import load_model
-from moaspec.models.packed_linear import PAD_ROWS, SmallRowKernels, pack_linears, set_small_row_kernels, small_row_kernels
+from moaspec.models.packed_linear import (
+    PAD_ROWS,
+    SmallRowKernels,
+    pack_linears,
+    set_small_row_kernels,
+    small_row_kernels,
+)
 
 
 def elapsed_ms(fn: Callable[[], None]) -> float:

@@ -32,8 +32,19 @@ from moaspec.drafters.moa import MoADrafter
 from moaspec.models import load_model
 from moaspec.models.transformer import Transformer
 from moaspec.training.dataset import Batch, collate, load_examples
-from moaspec.training.distill import (Masks, acceptance_by_offset, accepted_runs, build_masks, drafter_loss, full_argmax,
-                                      masks_from_starts, predicted_features, simulate_chain, step_accuracy, step_matches)
+from moaspec.training.distill import (
+    Masks,
+    acceptance_by_offset,
+    accepted_runs,
+    build_masks,
+    drafter_loss,
+    full_argmax,
+    masks_from_starts,
+    predicted_features,
+    simulate_chain,
+    step_accuracy,
+    step_matches,
+)
 from moaspec.training.features import TargetOut, target_pass
 from moaspec.training.masks import cycle_starts
 

@@ -18,6 +18,7 @@ import json
 import math
 from dataclasses import replace
 
+import specbench_script  # beside this script
 import torch
 
 from moaspec.chat import chat_messages, encode_chat
@@ -29,8 +30,6 @@ from moaspec.drafters import load_drafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.drafters.proposers import proposer_for
 from moaspec.models import LoadedModel
-
-import specbench_script  # beside this script
 
 NO_REACH = 1 << 30
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import specbench_script  # beside this script
 import torch
+from compare_tau import sign_test  # beside this script
 
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, SamplingParams
@@ -23,9 +25,6 @@ from moaspec.decoding.speculative import generate_chain
 from moaspec.drafters import load_drafter
 from moaspec.drafters.proposers import proposer_for
 from moaspec.models.kv_cache import KVCache
-
-import specbench_script  # beside this script
-from compare_tau import sign_test  # beside this script
 
 
 class PointMassDrafts:

@@ -16,6 +16,7 @@ confidence`` longer chains cut where the drafter's probability falls below a thr
 
 from __future__ import annotations
 
+import specbench_script  # beside this script
 import torch
 
 from moaspec.chat import chat_messages, encode_chat
@@ -25,8 +26,6 @@ from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.models import LoadedModel
-
-import specbench_script  # beside this script
 
 CHAINS = [1, 2, 3, 4, 6]
 TREES = [TreeShape(2, 2, 3), TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 2, 8), TreeShape(3, 3, 10), TreeShape(4, 3, 12),

@@ -27,10 +27,10 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from bigbench_prompts import DEFAULT_SPECBENCH, refuse_specbench_overlap  # beside this script
+
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
-
-from bigbench_prompts import DEFAULT_SPECBENCH, refuse_specbench_overlap  # beside this script
 
 # asked for in turn, so that no single phrasing is what the drafter learns to follow
 INSTRUCTIONS = (

@@ -562,7 +562,6 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
 
     from moaspec.cli import main
     from moaspec.drafters.checkpoint import save_drafter, target_identity
-
     from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 
     torch.manual_seed(6)

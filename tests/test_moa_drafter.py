@@ -8,18 +8,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from moaspec.drafters.checkpoint import DrafterError, drafting_dtype, load_drafter, save_drafter, target_identity
-from moaspec.drafters.moa import MoAConfig, MoADrafter
-from moaspec.models.config import ModelConfig
-from moaspec.models.kv_cache import KVCache
-from moaspec.models.transformer import Transformer
-from moaspec.models.packed_linear import bf16_kernels
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.speculative import generate_chain
+from moaspec.drafters.checkpoint import DrafterError, drafting_dtype, load_drafter, save_drafter, target_identity
+from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.drafters.proposers import proposer_for
+from moaspec.models.config import ModelConfig
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.packed_linear import bf16_kernels
+from moaspec.models.transformer import Transformer
 from moaspec.training.dataset import Batch, Example, collate
-from moaspec.training.distill import (Masks, accepted_runs, build_masks, full_argmax, simulate_chain, step_accuracy, step_matches,
-                                      tli_mask)
+from moaspec.training.distill import (
+    Masks,
+    accepted_runs,
+    build_masks,
+    full_argmax,
+    simulate_chain,
+    step_accuracy,
+    step_matches,
+    tli_mask,
+)
 from moaspec.training.features import target_pass
 from moaspec.training.masks import cross_attention_mask, segment_starts, self_attention_mask
 

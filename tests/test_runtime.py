@@ -186,8 +186,9 @@ def test_left_padded_batch_matches_single_rows(pairs) -> None:  # type: ignore[n
 
 
 def test_sliding_window_matches_transformers(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tiny import make_tiny_model
     from transformers import AutoModelForCausalLM
+
+    from tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "mistral-sw", "mistral", sliding_window=8)
     ours = load_model_dir(path, device="cpu", with_tokenizer=False).model

@@ -13,8 +13,8 @@ from moaspec.decoding.sampling import probabilities, sample
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
-from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
+from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer
 from moaspec.models.kv_cache import KVCache
 

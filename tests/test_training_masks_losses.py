@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moaspec.training.losses import distillation_loss, kl_target_to_draft
 from moaspec.training.distill import simulate_chain
+from moaspec.training.losses import distillation_loss, kl_target_to_draft
 from moaspec.training.masks import (
     cross_attention_mask,
     cycle_starts,

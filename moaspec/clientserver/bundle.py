@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moaspec.drafters.checkpoint import KINDS, read_meta
-from moaspec.errors import ModelLoadError, MoaspecError
+from moaspec.errors import MoaspecError, ModelLoadError
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.config import ModelConfig
 from moaspec.models.loading import BLOCK_NAME, LoadedModel, assemble, load_tokenizer, usable_device

@@ -78,7 +78,7 @@ class NetworkProxy:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="netem")
 
-    def start(self) -> "NetworkProxy":
+    def start(self) -> NetworkProxy:
         self._thread.start()
         if not self._ready.wait(10):
             raise RuntimeError("network proxy did not start")

@@ -39,11 +39,11 @@ from moaspec.clientserver import codec
 from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.tree import DraftTree
 from moaspec.decoding.verify import verify_greedy, verify_sampling, verify_tree
-from moaspec.models.transformer import tree_mask
 from moaspec.drafters.moa import MoADrafter
+from moaspec.heap import release_free_memory
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
-from moaspec.heap import release_free_memory
+from moaspec.models.transformer import tree_mask
 
 MAX_SUPPORT = 64  # most tokens in one draft's distribution (the client sends its top 32)
 

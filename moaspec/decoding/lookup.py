@@ -23,7 +23,6 @@ from moaspec.decoding.tree import DraftTree, TreeShape
 from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 
-
 # `moaspec generate` and `moaspec serve` put this many lookup drafts before the shipped drafter's
 # chains: on SpecBench it took chains of 2 from 1.12x to 1.55x plain decoding (BENCHMARKS.md).
 DEFAULT_LOOKUP = 10

@@ -28,7 +28,6 @@ from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
 
-
 # Tuned on this CPU with the shipped drafter (benchmarks/sweep.py, BENCHMARKS.md): with its
 # acceptance, longer chains cost more drafting than they save.
 DEFAULT_CHAIN = 2

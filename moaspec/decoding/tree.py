@@ -27,7 +27,6 @@ from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer, tree_mask
 
-
 MAX_TREE = {"depth": 32, "top_k": 32, "total": 256}
 
 

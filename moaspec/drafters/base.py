@@ -143,7 +143,7 @@ class Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
 
-    def train(self, mode: bool = True) -> "Drafter":
+    def train(self, mode: bool = True) -> Drafter:
         super().train(mode)
         pack_linears(self, not mode)  # packed weights are stale once training changes them
         if "head" in self._borrowed:

@@ -30,7 +30,7 @@ class EagleConfig(DrafterConfig):
     feature_noise: float = 0.1  # training inputs get U(−a, a) noise (EAGLE's data augmentation)
 
     @classmethod
-    def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "EagleConfig":
+    def for_target(cls, cfg: ModelConfig, **sizes: Any) -> EagleConfig:
         """One decoder layer shaped like the target's own."""
         check_widths(sizes, "mlp")
         defaults: dict[str, Any] = {"mlp": cfg.intermediate_size}

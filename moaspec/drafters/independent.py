@@ -35,7 +35,7 @@ class IndependentConfig(DrafterConfig):
     mlp: int = 1536
 
     @classmethod
-    def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "IndependentConfig":
+    def for_target(cls, cfg: ModelConfig, **sizes: Any) -> IndependentConfig:
         check_widths(sizes, "mlp")
         defaults: dict[str, Any] = {"mlp": cfg.intermediate_size}
         defaults.update({k: v for k, v in sizes.items() if v is not None})

@@ -30,7 +30,6 @@ from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
 from moaspec.models.transformer import Transformer, causal_mask, rope_tables
 
-
 # "lsa": the paper's memory; "last-layer": the target's final states instead (the ablation without LSA);
 # "lsa+final": both, summed (an extension: the newest entry then carries the target's own next-token state)
 MEMORY_SOURCES = ("lsa", "last-layer", "lsa+final")
@@ -54,7 +53,7 @@ class MoAConfig(DrafterConfig):
     derotate_keys: bool = False  # beyond the paper: LSA reads each layer's keys with their rotary position removed
 
     @classmethod
-    def for_target(cls, cfg: ModelConfig, **sizes: Any) -> "MoAConfig":
+    def for_target(cls, cfg: ModelConfig, **sizes: Any) -> MoAConfig:
         """Defaults sized from the target: SA/CA as wide as the target's blocks.
 
         LSA processes L "layer tokens" for every verified token, so in training it costs
@@ -148,7 +147,7 @@ class MoADrafter(Drafter):
         super().attach(target, vocab_limit)
 
     def adapted(self, tli_layers: int | None = None, memory_source: str | None = None,
-                newest_entry: bool | None = None, derotate_keys: bool | None = None) -> "MoADrafter":
+                newest_entry: bool | None = None, derotate_keys: bool | None = None) -> MoADrafter:
         """A copy with another N, with the final state added to its memory, with the newest memory entry
         added to CA's input, or reading keys without their rotation: a warm start for training.
 

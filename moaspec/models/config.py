@@ -48,7 +48,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from a parsed HF config, refusing families the runtime cannot run."""
         family = raw.get("model_type")
         if family not in SUPPORTED_FAMILIES:
@@ -87,7 +87,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_model_dir(cls, path: Path) -> "ModelConfig":
+    def from_model_dir(cls, path: Path) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ModelLoadError(f"{path} is not a model directory: config.json is missing")

@@ -41,7 +41,7 @@ class KVCache:
     def for_model(
         cls, cfg: ModelConfig, capacity: int, batch_size: int = 1, dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-    ) -> "KVCache":
+    ) -> KVCache:
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, batch_size, dtype, device)
 
     @property
@@ -85,7 +85,7 @@ class KVCache:
         self.keys = self.keys.index_select(1, rows)
         self.values = self.values.index_select(1, rows)
 
-    def row_view(self, row: int, offset: int) -> "KVCache":
+    def row_view(self, row: int, offset: int) -> KVCache:
         """Row ``row`` from position ``offset`` on, as an empty batch-1 cache sharing this one's memory.
 
         Batched generation prefills each prompt alone through such a view, right-aligned

@@ -21,9 +21,9 @@ import os
 import pickle
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,10 +38,28 @@ from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.progress import progress_bar
-from moaspec.training.dataset import (Batch, DamagedFile, Example, batch_stream, collate, draft_vocabulary, load_examples,
-                                      make_batches, read_json, read_manifest)
-from moaspec.training.distill import (acceptance_by_offset, accepted_runs, build_masks, drafter_loss, full_argmax, simulate_chain,
-                                      step_accuracy, step_matches)
+from moaspec.training.dataset import (
+    Batch,
+    DamagedFile,
+    Example,
+    batch_stream,
+    collate,
+    draft_vocabulary,
+    load_examples,
+    make_batches,
+    read_json,
+    read_manifest,
+)
+from moaspec.training.distill import (
+    acceptance_by_offset,
+    accepted_runs,
+    build_masks,
+    drafter_loss,
+    full_argmax,
+    simulate_chain,
+    step_accuracy,
+    step_matches,
+)
 from moaspec.training.features import FeatureStore, TargetOut
 from moaspec.training.masks import staircase_probability
 
