@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import specbench_script  # beside this script
 import torch
 
+import specbench_script  # beside this script
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.speculative import generate_chain

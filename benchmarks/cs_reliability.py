@@ -4,8 +4,8 @@ Starts `moaspec serve` as its own process, then runs C client threads here, each
 generating answers to SpecBench first turns one after another through `/cs/v1`
 (MoA drafter, greedy, pipelined) until the time is up. Reports failed requests
 (any exception a client sees), completed generations, tokens/s over all clients,
-and the server's resident memory sampled every 2 s (first, max, last, and the max
-over the second half against the first half, to tell a plateau from growth).
+and the server's resident memory sampled every 2 s (summarised per half and per quarter by
+rss.py, to tell a plateau from growth).
 
     .venv/bin/python benchmarks/cs_reliability.py --clients 16 --seconds 300 --output bench-out/cs-reliability.json
 """
@@ -13,10 +13,7 @@ over the second half against the first half, to tell a plateau from growth).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -30,19 +27,9 @@ from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.models import load_model
 from moaspec.specbench import load_questions
+from rss import rss_mb, rss_summary  # benchmarks/rss.py, beside this script
 
 SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbench"
-
-
-def rss_mb(pid: int) -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024  # type: ignore[union-attr]
-
-
-def quarters(samples: list[float]) -> list[list[float]]:
-    """The samples in four consecutive runs of (nearly) equal length, none empty."""
-    n = len(samples)
-    bounds = [round(n * k / 4) for k in range(5)]
-    return [samples[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def main() -> None:
@@ -96,18 +83,10 @@ def main() -> None:
     wall = time.perf_counter() - t0
     server.terminate()
     server.wait(30)
-    half = len(memory) // 2
-    by_quarter = quarters(memory)
     result = {
         "clients": args.clients, "seconds": round(wall, 1), "generations": len(done), "failures": len(failures),
         "failure_examples": failures[:5], "tokens": sum(done), "tokens_per_s": round(sum(done) / wall, 2),
-        "server_rss_mb": {"first": round(memory[0], 1), "max": round(max(memory), 1), "last": round(memory[-1], 1),
-                          "max_first_half": round(max(memory[:half] or memory), 1),
-                          "max_second_half": round(max(memory[half:]), 1),
-                          # a plateau shows as quarters that stop rising, slow growth as ones that keep rising; the
-                          # median, unlike the max, is not lifted by a few long prompts that happen to coincide
-                          "max_by_quarter": [round(max(q), 1) for q in by_quarter],
-                          "median_by_quarter": [round(statistics.median(q), 1) for q in by_quarter]},
+        "server_rss_mb": rss_summary(memory),
         "server_rss_samples_mb": [round(m) for m in memory],  # every 2 s
     }
     print(json.dumps(result, indent=2))

@@ -21,9 +21,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import specbench_script  # beside this script
 import torch
 
+import specbench_script  # beside this script
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.strategy import Strategy

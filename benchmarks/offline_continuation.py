@@ -18,9 +18,9 @@ import json
 import math
 from dataclasses import replace
 
-import specbench_script  # beside this script
 import torch
 
+import specbench_script  # beside this script
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.clientserver.bench import matching_prefix, perplexity
 from moaspec.decoding import GenerationConfig

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import specbench_script  # beside this script
 import torch
-from compare_tau import sign_test  # beside this script
 
+import specbench_script  # beside this script
+from compare_tau import sign_test  # beside this script
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, SamplingParams
 from moaspec.decoding.proposer import Proposal, Proposer

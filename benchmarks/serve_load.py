@@ -3,7 +3,8 @@
 Starts the server as its own process (or uses --url), then each client sends SpecBench
 first turns, one after another, streaming, until the time is up. Prints and writes
 (--output) per-request latency and time-to-first-token percentiles, aggregate
-generated tokens/s, errors, and the server's resident memory over the run.
+generated tokens/s, errors, and the server's resident memory every 2 s (summarised per half and
+per quarter by rss.py, to tell a plateau from growth).
 
     .venv/bin/python benchmarks/serve_load.py --clients 8 --seconds 180 --output bench-out/serve-load.json
 """
@@ -14,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -24,13 +24,9 @@ from pathlib import Path
 import openai
 
 from moaspec.specbench import load_questions
+from rss import rss_mb, rss_summary  # benchmarks/rss.py, beside this script
 
 SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbench"
-
-
-def rss_mb(pid: int) -> float:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) / 1024  # type: ignore[union-attr]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -88,7 +84,8 @@ async def run(url: str, model: str, prompts: list[str], clients: int, seconds: f
         "latency_p50_s": round(percentile(lat, 50), 3), "latency_p95_s": round(percentile(lat, 95), 3),
         "ttft_p50_s": round(percentile(ttft, 50), 3), "ttft_p95_s": round(percentile(ttft, 95), 3),
         "mean_tokens_per_request": round(tokens / max(1, len(records)), 1),
-        "server_rss_mb": {"first": round(memory[0], 1), "max": round(max(memory), 1), "last": round(memory[-1], 1)} if memory else None,
+        "server_rss_mb": rss_summary(memory),
+        "server_rss_samples_mb": [round(m) for m in memory],  # every 2 s
     }
 
 

@@ -16,9 +16,9 @@ confidence`` longer chains cut where the drafter's probability falls below a thr
 
 from __future__ import annotations
 
-import specbench_script  # beside this script
 import torch
 
+import specbench_script  # beside this script
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.strategy import Strategy

@@ -204,3 +204,29 @@ def test_compare_tau_pools_pairs_and_sign_tests(tmp_path: Path) -> None:
                         ((base, tmp_path / "none.json"), "no file"), ((base, tmp_path / "bad.json"), "not the output")):
         proc = run(*files)
         assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_rss_summary_tells_a_plateau_from_growth() -> None:
+    """benchmarks/rss.py: quarters partition the samples in order; a rising series has rising quarter maxima and
+    medians, a plateau flat ones after the first; the halves' maxima; no samples give None; this process's RSS reads."""
+    import os
+    import sys
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        import rss
+    finally:
+        sys.path.remove(str(folder))
+    samples = [float(x) for x in range(10)]
+    assert rss.quarters(samples) == [[0.0, 1.0], [2.0, 3.0, 4.0], [5.0, 6.0, 7.0], [8.0, 9.0]]
+    assert rss.quarters([1.0, 2.0]) == [[1.0], [2.0]]
+    rising = rss.rss_summary(samples)
+    assert rising is not None
+    assert rising["max_by_quarter"] == [1.0, 4.0, 7.0, 9.0] and rising["median_by_quarter"] == [0.5, 3.0, 6.0, 8.5]
+    assert (rising["first"], rising["max"], rising["last"]) == (0.0, 9.0, 9.0)
+    assert (rising["max_first_half"], rising["max_second_half"]) == (4.0, 9.0)
+    plateau = rss.rss_summary([100.0, 150.0] + [200.0] * 10)
+    assert plateau is not None and plateau["max_by_quarter"][1:] == [200.0, 200.0, 200.0]
+    assert rss.rss_summary([]) is None
+    assert rss.rss_mb(os.getpid()) > 1
