@@ -19,12 +19,22 @@ def validate_messages(messages: Sequence[Message]) -> list[Message]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
             raise PromptError(f"message {i} must be an object with a role in {ROLES} and a string content")
+        check_text(m["content"], "the prompt" if i == len(messages) - 1 else f"message {i} ({m['role']})")
         out.append({"role": m["role"], "content": m["content"]})
     if out[-1]["role"] != "user":
         raise PromptError("the last message must come from the user")
     if not any(m["content"].strip() for m in out if m["role"] == "user"):
         raise PromptError("the prompt is empty")
     return out
+
+
+def check_text(text: str, what: str = "the prompt") -> None:
+    """Refuse text that cannot be encoded as UTF-8: bytes that were not UTF-8 on the command line or stdin
+    (Python keeps them as lone surrogates), or a lone surrogate escaped in JSON; tokenizers cannot take either."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PromptError(f"{what} is not valid UTF-8 text") from None
 
 
 def chat_messages(prompt: str, system: str | None = None) -> list[Message]:
@@ -48,6 +58,7 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Plain completion: the text as is, with the tokenizer's usual special tokens."""
     if not text.strip():
         raise PromptError("the prompt is empty")
+    check_text(text)
     return list(tokenizer(text)["input_ids"])
 
 

@@ -8,14 +8,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from moaspec.errors import MoaspecError
 
 EXIT_USAGE = 2
 DRAFT_COLOUR, UNVERIFIED_COLOUR, RESET = "\033[36m", "\033[33m", "\033[0m"
+
+
+def _require(args: argparse.Namespace, rule: str, holds: Callable[[Any], bool], *names: str) -> None:
+    """Refuse the first option of ``names`` whose value (when given) breaks ``rule``, naming it and its value."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not holds(value):
+            raise MoaspecError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+
+
+def _at_least(low: float) -> Callable[[Any], bool]:
+    return lambda v: v >= low  # False for NaN
+
+
+def _finite_positive(v: float) -> bool:
+    return math.isfinite(v) and v > 0
 
 
 def _positive_int(text: str) -> int:
@@ -355,6 +373,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _read_stdin() -> str:
+    """The prompt from stdin, as UTF-8 whatever the locale (whose own decoding may fail, or keep bad bytes)."""
+    from moaspec.errors import PromptError
+
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise PromptError("the prompt is not valid UTF-8 text") from None
+
+
 def _read_messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
     if args.messages is None:
         return None
@@ -365,6 +393,8 @@ def _read_messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
             data = json.load(f)
     except OSError as exc:
         raise MoaspecError(f"cannot read {args.messages}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise MoaspecError(f"{args.messages} is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise MoaspecError(f"{args.messages} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, list):
@@ -381,7 +411,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if messages is None:
         if prompt == "-":
-            prompt = sys.stdin.read()
+            prompt = _read_stdin()
         if prompt is None or not prompt.strip():
             raise PromptError("the prompt is empty")
     config = GenerationConfig(
@@ -413,6 +443,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
+        if result.finish_reason == "length" and result.new_tokens < config.max_new_tokens:
+            print(f"[moaspec: stopped after {result.new_tokens} tokens: the model's context window "
+                  f"({loaded.cfg.max_position_embeddings} tokens) is full]", file=sys.stderr)
     return 0
 
 
@@ -442,16 +475,15 @@ def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
 def cmd_data(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moaspec.training.datagen import MIN_PASSAGE_TOKENS, DataConfig, generate_dataset
+    from moaspec.fileio import check_output_dir
+    from moaspec.training.datagen import MIN_PASSAGE_TOKENS, OUTPUT_FILES, OUTPUT_MARKER, DataConfig, generate_dataset
     from moaspec.training.user_text import load_user_text, parse_part
 
-    for name in ("examples", "shard_size", "batch_size", "max_query_tokens", "max_passage_tokens",
-                 "max_answer_tokens"):
-        if getattr(args, name) < 1:
-            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("multi_turn", "greedy_fraction", "pasted_fraction"):
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) <= 1:
-            raise MoaspecError(f"--{name.replace('_', '-')} must be between 0 and 1")
+    check_output_dir(args.output, OUTPUT_MARKER, OUTPUT_FILES)
+
+    _require(args, ">= 1", _at_least(1), "examples", "shard_size", "batch_size", "max_query_tokens",
+             "max_passage_tokens", "max_answer_tokens")
+    _require(args, "between 0 and 1", lambda v: 0 <= v <= 1, "multi_turn", "greedy_fraction", "pasted_fraction")
     part = None if args.part is None else parse_part(args.part)
     user = load_user_text(args.prompts, args.passages, args.max_passage_tokens, MIN_PASSAGE_TOKENS, part)
     cfg = DataConfig(
@@ -474,17 +506,20 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moaspec.training.trainer import TrainConfig, Trainer
+    from moaspec.fileio import check_output_dir
+    from moaspec.training.trainer import RUN_FILES, RUN_MARKER, TrainConfig, Trainer
 
-    for name in ("steps", "tokens_per_batch", "grad_accum", "max_len", "eval_every", "save_every", "segment_min"):
-        if getattr(args, name) < 1:
-            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
+    check_output_dir(args.output, RUN_MARKER, RUN_FILES)
+
+    _require(args, ">= 1", _at_least(1), "steps", "tokens_per_batch", "grad_accum", "max_len", "eval_every",
+             "save_every", "segment_min")
+    _require(args, "a finite number > 0", _finite_positive, "lr")
+    _require(args, ">= 0", _at_least(0), "warmup", "draft_vocab")
+    _require(args, "in (0, 1)", lambda v: 0 < v < 1, "val_fraction")
     if args.segment_max < args.segment_min:
         raise MoaspecError("--segment-max must be >= --segment-min")
     if not 0 <= args.segment_long_fraction < 1 or (args.segment_long_fraction > 0 and args.segment_long_max <= args.segment_max):
         raise MoaspecError("--segment-long-fraction must be in [0, 1), and with it --segment-long-max > --segment-max")
-    if args.lr <= 0 or args.warmup < 0 or not 0 < args.val_fraction < 1 or args.draft_vocab < 0:
-        raise MoaspecError("--lr must be > 0, --warmup >= 0, --val-fraction in (0, 1) and --draft-vocab >= 0")
     cfg = TrainConfig(
         kind=args.kind, steps=args.steps, tokens_per_batch=args.tokens_per_batch, grad_accum=args.grad_accum, lr=args.lr,
         warmup=args.warmup, max_len=args.max_len, segment_min=args.segment_min, segment_max=args.segment_max,
@@ -538,8 +573,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     names = _method_list(args.methods)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, 0 if args.seed is None else args.seed)
-    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or args.chain < 1 or args.lookup < 1:
-        raise MoaspecError("--max-new-tokens, --limit, --chain and --lookup must be >= 1")
+    _require(args, ">= 1", _at_least(1), "max_new_tokens", "limit", "chain", "lookup")
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = _load(args)
     check_first_turns_fit(questions, loaded.tokenizer, loaded.cfg.max_position_embeddings)
@@ -562,11 +596,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from moaspec.serving import Engine, create_app, listen, run_server
 
-    for name in ("parallel", "default_max_tokens", "max_body_bytes", "max_sessions", "max_draft"):
-        if getattr(args, name) < 1:
-            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_queue < 0 or not 0 <= args.port < 65536 or args.session_ttl <= 0:
-        raise MoaspecError("--max-queue must be >= 0, --port in 0..65535 and --session-ttl > 0")
+    _require(args, ">= 1", _at_least(1), "parallel", "default_max_tokens", "max_body_bytes", "max_sessions", "max_draft")
+    _require(args, ">= 0", _at_least(0), "max_queue")
+    _require(args, "in 0..65535", lambda v: 0 <= v < 65536, "port")
+    _require(args, "a finite number > 0", _finite_positive, "session_ttl")
     sock = listen(args.host, args.port)  # fail on a taken port before loading anything
     if not args.threads:  # share the cores between the parallel decoders instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parallel))  # before loading: packing measures
@@ -608,13 +641,14 @@ def cmd_client(args: argparse.Namespace) -> int:
     from moaspec.drafters.moa import MoADrafter
     from moaspec.errors import PromptError
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else args.prompt
     if prompt is None or not prompt.strip():
         raise PromptError("the prompt is empty")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                               sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
-    if args.chain < 1 or args.max_new_tokens < 1 or args.timeout <= 0 or args.retries < 0 or args.lookup < 0:
-        raise MoaspecError("--chain and --max-new-tokens must be >= 1, --timeout > 0, --retries and --lookup >= 0")
+    _require(args, ">= 1", _at_least(1), "chain", "max_new_tokens")
+    _require(args, "a finite number > 0", _finite_positive, "timeout")
+    _require(args, ">= 0", _at_least(0), "retries", "lookup")
     proxy, cut_after = None, None
     if args.network:
         from moaspec.clientserver.client import parse_server_url
@@ -744,10 +778,8 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     if not names or bad:
         raise MoaspecError(f"--profiles takes a comma list from {', '.join(PROFILES)}" + (f"; not {', '.join(bad)}" if bad else ""))
     methods = _method_list(args.methods)
-    if (args.max_new_tokens < 1 or args.chain < 1 or args.disconnect_after < 0 or args.continue_tokens < 1
-            or args.lookup < 1):
-        raise MoaspecError("--max-new-tokens, --chain, --lookup and --continue-tokens must be >= 1, "
-                           "--disconnect-after >= 0")
+    _require(args, ">= 1", _at_least(1), "max_new_tokens", "chain", "lookup", "continue_tokens")
+    _require(args, ">= 0", _at_least(0), "disconnect_after")
     if not 1 <= args.port <= 65535:
         raise MoaspecError(f"--port must be in 1..65535, got {args.port}")
     sampling = SamplingParams(args.temperature, top_p=args.top_p, seed=0 if args.seed is None else args.seed)
@@ -786,14 +818,6 @@ def _method_list(text: str) -> list[str]:
     if not names or len(set(names)) != len(names):
         raise MoaspecError("--methods needs a comma list of distinct methods")
     return names
-
-
-def _check_output_dir(path: str) -> None:
-    """A command that writes into ``--output DIR`` (creating it) cannot use a file's name."""
-    from pathlib import Path
-
-    if Path(path).exists() and not Path(path).is_dir():
-        raise MoaspecError(f"--output {path} is a file; it must name a directory (new, or one this command wrote)")
 
 
 def _bench_settings(args: argparse.Namespace, loaded, *skip: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
@@ -839,8 +863,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
     args = build_parser().parse_args(argv)
     try:
-        if args.command in ("data", "train", "bench", "bench-cs"):
-            _check_output_dir(args.output)
+        if args.command in ("bench", "bench-cs", "export-client", "export-hf"):  # data and train check their own
+            from moaspec.fileio import check_output_dir
+
+            check_output_dir(args.output)
         return COMMANDS[args.command](args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)

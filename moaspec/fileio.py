@@ -66,3 +66,34 @@ def atomic_write_dir(path: str | Path, write: Callable[[Path], None], marker: st
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output_dir(path: str | Path, marker: str | None = None, own: tuple[str, ...] = ()) -> None:
+    """Refuse an ``--output`` directory before any work: one that cannot be created or written, and, given
+    ``marker``, an existing one that holds files the command would not write.
+
+    ``marker`` is the file that makes the directory an earlier run the command resumes;
+    ``own`` are glob patterns of what such a run writes before it (names starting with a dot,
+    the atomic writes' temporary files, always count as its own). Nothing is left behind: the
+    check creates a temporary directory where ``path`` would go and removes it.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise MoaspecError(f"--output {path} is a file; it must name a directory (new, or one this command wrote)")
+    parent = path
+    while not parent.exists():  # the nearest existing folder, where the missing ones would be created
+        parent = parent.parent
+    if not parent.is_dir():
+        raise MoaspecError(f"cannot create --output {path}: {parent} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moaspec-probe.", dir=parent))
+    except OSError as exc:
+        raise MoaspecError(f"cannot create --output {path}: {exc.strerror or exc} ({parent})") from None
+    if marker is None or not path.is_dir() or (path / marker).is_file():
+        return
+    foreign = sorted(p.name for p in path.iterdir()
+                     if not p.name.startswith(".") and not any(p.match(pattern) for pattern in own))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise MoaspecError(f"--output {path} holds files this command did not write ({shown}); "
+                           "name a new or empty directory, or one this command wrote to resume it")

@@ -47,9 +47,11 @@ def load_questions(path: str | Path, per_file: int | None = None, skip: int = 0)
                 turns = obj["turns"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise MoaspecError(f"{f}:{n} is not a SpecBench question (JSON with a 'turns' list)") from None
-            if not isinstance(turns, list):
-                raise MoaspecError(f"{f}:{n}: 'turns' must be a list of strings, got {type(turns).__name__}")
-            if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                got = type(turns).__name__ if not isinstance(turns, list) else "a list holding " + ", ".join(
+                    sorted({type(t).__name__ for t in turns if not isinstance(t, str)}))
+                raise MoaspecError(f"{f}:{n}: 'turns' must be a list of strings, got {got}")
+            if not turns or not all(t.strip() for t in turns):
                 raise MoaspecError(f"{f}:{n} has no turns, or an empty one")
             rows.append(Question(str(obj.get("question_id", n)), f.stem, tuple(turns)))
         rows = rows[skip:]

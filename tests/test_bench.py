@@ -116,7 +116,7 @@ def test_an_interrupted_bench_resumes_where_it_stopped(tiny_dirs, setup, tmp_pat
     (["--methods", "eagle2"], "needs --eagle-drafter"),
     (["--methods", "hf-assisted"], "needs --independent-drafter"),
     (["--limit", "0"], ">= 1"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--temperature", "0.7", "--top-p", "0"], "top_p must be in (0, 1]"),
 ])
 def test_bench_rejects_bad_options(tiny_dirs, setup, tmp_path: Path, capsys, argv, message) -> None:  # type: ignore[no-untyped-def]

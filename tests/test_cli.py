@@ -108,6 +108,16 @@ def test_prompt_over_context(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     assert_one_line_error(proc, "context window")
 
 
+def test_a_full_context_window_is_said(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    """Generation that stops because the context is full says so: finish_reason "length" before max_new_tokens in
+    --json, a note on stderr when streaming."""
+    args = ("generate", "--raw", "fox " * 100, "--max-new-tokens", "250", "--no-draft", "--model", str(tiny_dirs["llama"]))
+    out = json.loads(run_cli(*args, "--json").stdout)
+    assert out["finish_reason"] == "length" and 0 < out["new_tokens"] < 250
+    proc = run_cli(*args)
+    assert proc.returncode == 0 and f"stopped after {out['new_tokens']} tokens: the model's context window" in proc.stderr
+
+
 def test_missing_model_path() -> None:
     assert_one_line_error(run_cli("generate", "hi", "--model", "/no/such/model"), "does not exist")
 
@@ -222,6 +232,7 @@ def test_an_unusable_device_is_refused(tiny_dirs, capsys, device, fragment) -> N
 
 @pytest.mark.parametrize("content,fragment", [
     ('{"turns": "Say hi."}\n', "must be a list of strings"),
+    ('{"turns": ["Hi", 5]}\n', "must be a list of strings, got a list holding int"),
     ('{"turns": ["  "]}\n', "an empty one"),
     ("", "no questions"),
     (b"\xff\xfe\x00garbage", "UTF-8"),
@@ -271,6 +282,72 @@ def test_bench_refuses_bad_questions_and_outputs_before_measuring(tiny_dirs, tmp
     assert main(["bench-cs", *base[:-4], "--methods", ",", "--output", str(tmp_path / "c")]) == 2
     assert "distinct methods" in capsys.readouterr().err
     assert main(["bench-cs", *base[:-4], "--methods", "moa,moa", "--output", str(tmp_path / "c")]) == 2
+
+
+def test_outputs_that_cannot_be_made_or_hold_other_files_are_refused_before_any_work(tiny_dirs, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                                    capsys) -> None:
+    """An --output under a file, or where nothing may be created, is one line before the model loads; `data` and
+    `train` do not write into a directory of other files (one they wrote themselves, they resume)."""
+    from moaspec.cli import main
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("mine")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"turns": ["Hello"]}) + "\n")
+    model = ["--model", str(tiny_dirs["llama"])]
+    argvs = {"bench": ["bench", "--questions", str(q), "--methods", "vanilla", *model],
+             "bench-cs": ["bench-cs", "--questions", str(q), *model], "data": ["data", *model],
+             "train": ["train", "--data", str(tmp_path), *model], "export-client": ["export-client", *model]}
+    for argv in argvs.values():
+        assert main([*argv, "--output", str(plain / "sub")]) == 2
+        assert f"cannot create --output {plain / 'sub'}: {plain} is a file" in capsys.readouterr().err
+        if os.geteuid() != 0:  # root writes anywhere
+            locked.chmod(0o500)
+            assert main([*argv, "--output", str(locked / "new")]) == 2
+            assert "cannot create --output" in capsys.readouterr().err
+            locked.chmod(0o700)
+    assert list(tmp_path.rglob(".moaspec-probe*")) == []
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    for command in ("data", "train"):
+        assert main([*argvs[command], "--output", str(theirs)]) == 2
+        assert "holds files this command did not write (notes.txt)" in capsys.readouterr().err
+    assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["train", "--data", "d", "--output", "o", "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["train", "--data", "d", "--output", "o", "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["train", "--data", "d", "--output", "o", "--val-fraction", "1"], "--val-fraction must be in (0, 1), got 1"),
+    (["client", "--server", "http://127.0.0.1:9", "--timeout", "nan", "hi"], "--timeout must be a finite number > 0"),
+    (["client", "--server", "http://127.0.0.1:9", "--retries", "-1", "hi"], "--retries must be >= 0, got -1"),
+    (["bench", "--questions", "q", "--output", "o", "--limit", "0"], "--limit must be >= 1, got 0"),
+    (["serve", "--session-ttl", "nan"], "--session-ttl must be a finite number > 0"),
+    (["generate", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0"),
+])
+def test_a_bad_option_is_named_with_its_value(tiny_dirs, tmp_path: Path, capsys, monkeypatch, argv, fragment) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--model", str(tiny_dirs["llama"])]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_text_that_is_not_utf8_is_refused(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Bytes that are not UTF-8 on the command line, on stdin or in a --messages file: one line, no traceback."""
+    model = ["--model", str(tiny_dirs["llama"]), "--max-new-tokens", "2"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    for extra, stdin in (([os.fsdecode(b"caf\xe9")], b""), (["-"], b"caf\xe9 au lait")):
+        proc = subprocess.run([sys.executable, "-m", "moaspec", "generate", *extra, *model], input=stdin,
+                              capture_output=True, env=env, timeout=300)
+        err = proc.stderr.decode()
+        assert proc.returncode == 2 and "Traceback" not in err and "the prompt is not valid UTF-8" in err, err
+    messages = tmp_path / "m.json"
+    messages.write_bytes(b"\xff\xfe[")
+    assert_one_line_error(run_cli("generate", "--messages", str(messages), *model), "is not UTF-8 text")
 
 
 def test_bench_cs_stops_a_server_that_did_not_start(tiny_dirs, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -396,12 +396,15 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temperature": 1, "top_p": 0}}}, 400, "top_p"),
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temperature": 1, "seed": 2**64}}}, 400, "seed"),
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temp": 1}}}, 400, "temp"),
+            (("POST", "/sessions"), {"json": {"prompt": [1, True]}}, 400, "prompt"),  # JSON's true is no token id
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "max_new_tokens": 2.5}}, 400, "max_new_tokens"),
             (("POST", "/sessions"), {"content": b"{oops", "headers": {"Content-Type": "application/json"}}, 400, "JSON"),
             (("POST", "/sessions"), {"json": {"prompt": [1] * 5000}}, 413, "limit"),
             (("POST", "/sessions"), {"json": {"prompt": [1] * 300}}, 413, "at most"),
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1] * 9}}, 413, "at most 8"),
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [vocab + 5]}}, 400, "outside"),
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n + 3, "draft": [1]}}, 409, "assumes"),
+            (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1.0]}}, 400, "draft"),
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n}}, 400, "draft"),
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1, 2], "parents": [0]}}, 400, "parents"),
             (("POST", f"/sessions/{sid}/verify"), {"json": {"verified": n, "draft": [1, 2], "parents": [0, 2]}}, 400,
@@ -447,6 +450,19 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
                         b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 500\r\n\r\n{\"prompt\": [1, 2")
         assert http.delete(f"/sessions/{sid}").status_code == 204
         assert http.get("/info").json()["open_sessions"] >= 0
+        conflict = http.post(verify, json={"verified": 1, "draft": [1]})
+        assert conflict.status_code == 409 and conflict.json()["error"]["type"] == "invalid_request_error"
+        # a session opened for 2 new tokens verifies once more at most (its first verification may accept a
+        # whole draft), then says its budget is used
+        small = http.post("/sessions", json={"prompt": PROMPT, "max_new_tokens": 2}).json()
+        done = http.post(f"/sessions/{small['session']}/verify", json={"verified": small["verified"], "draft": [1, 2, 3]})
+        assert done.status_code == 200
+        got, message = status("POST", f"/sessions/{small['session']}/verify",
+                              json={"verified": done.json()["verified"], "draft": [1]})
+        assert got == 400 and "budget" in message
+        # a temperature so small that logits / T overflow samples as greedy, instead of failing
+        cold = http.post("/sessions", json={"prompt": PROMPT, "sampling": {"temperature": 1e-45, "seed": 0}})
+        assert cold.status_code == 200
 
 
 def test_sessions_are_limited_and_expire(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
@@ -608,7 +624,7 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
     assert sampled["setup"]["sampling"] == {"temperature": 0.9, "top_p": 0.9, "seed": 2}
     assert all(sampled["profiles"]["lan"][m]["new_tokens"] > 0 for m in ("moa", "api"))
     assert main([*args[:-3], "--temperature", "-1", "--output", str(tmp_path / "o9")]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be a finite number >= 0" in capsys.readouterr().err
     assert main([*args[:-3], "--disconnect-drafters", str(path), "--output", str(tmp_path / "o6")]) == 2
     assert "one MoA drafter per N" in capsys.readouterr().err
     assert main([*args[:-3], "--lookup", "0", "--output", str(tmp_path / "o5")]) == 2

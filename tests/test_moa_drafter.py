@@ -236,23 +236,69 @@ def test_shipped_drafters_are_found_by_kind_and_target(tiny_llama, tmp_path: Pat
     assert drafters.shipped_drafter(tiny_llama) == moa and drafters.shipped_drafter(tiny_llama, "eagle") == eagle
 
 
-@pytest.mark.parametrize("damage", ["missing", "not-json", "wrong-format", "no-weights", "bad-config"])
+HAND_EDITS = {"negative-vocab": ("draft_vocab_size", -5, "draft_vocab_size must be a whole number >= 0"),
+              "string-vocab": ("draft_vocab_size", "abc", "draft_vocab_size must be a whole number"),
+              "float-heads": ("heads", 1.5, "heads must be a whole number >= 1"),
+              "bool-width": ("lsa_width", True, "lsa_width must be a whole number"),
+              "negative-width": ("lsa_width", -64, "lsa_width must be a whole number >= 1"),
+              "huge-vocab": ("draft_vocab_size", 10**12, "exceeds vocab_size"),
+              "nan-theta": ("rope_theta", "NaN", "rope_theta must be a finite number"),
+              "positions": ("max_positions", 7, "context window"),
+              "flag": ("newest_entry", 1, "newest_entry must be true or false")}
+
+
+@pytest.mark.parametrize("edit", sorted(HAND_EDITS))
+def test_a_hand_edited_config_is_refused_naming_the_field(tiny_llama, tmp_path: Path, edit: str) -> None:  # type: ignore[no-untyped-def]
+    path = save_drafter(make_drafter(tiny_llama), tmp_path / "d", target_identity(tiny_llama))
+    field, value, words = HAND_EDITS[edit]
+    meta = json.loads((path / "config.json").read_text())
+    meta["config"][field] = float("nan") if value == "NaN" else value
+    (path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(DrafterError, match="invalid drafter config") as err:
+        load_drafter(path, tiny_llama)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["missing", "not-json", "wrong-format", "no-weights", "bad-config", "no-target",
+                                    "run-dir", "nan-weights"])
 def test_broken_checkpoints_give_clear_errors(tiny_llama, tmp_path: Path, damage: str) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file, save_file
+
     path = save_drafter(make_drafter(tiny_llama), tmp_path / "d", target_identity(tiny_llama))
     cfg = path / "config.json"
-    if damage == "missing":
-        path = tmp_path / "nowhere"
+    if damage == "no-target":
+        meta = json.loads(cfg.read_text())
+        meta["target"] = None
+        cfg.write_text(json.dumps(meta))
+        words = "which target"
+    elif damage == "run-dir":  # a training run's directory, whose drafter is in drafter/
+        run = tmp_path / "run"
+        run.mkdir()
+        path.rename(run / "drafter")
+        path, words = run, "run/drafter is the drafter this training run exported"
+    elif damage == "nan-weights":
+        state = load_file(str(path / "model.safetensors"))
+        name = next(k for k, v in state.items() if v.is_floating_point())
+        state[name] = torch.full_like(state[name], float("nan"))
+        save_file(state, str(path / "model.safetensors"))
+        words = "not finite"
+    elif damage == "missing":
+        path, words = tmp_path / "nowhere", "does not exist"
     elif damage == "not-json":
         cfg.write_text("{oops")
+        words = "not valid JSON"
     elif damage == "wrong-format":
         cfg.write_text(json.dumps({"format": "something-else"}))
+        words = "not a moaspec drafter checkpoint"
     elif damage == "no-weights":
         (path / "model.safetensors").unlink()
+        words = "cannot read"
     else:
         meta = json.loads(cfg.read_text())
         meta["config"]["bogus"] = 1
         cfg.write_text(json.dumps(meta))
-    with pytest.raises(DrafterError):
+        words = "unknown MoAConfig fields"
+    with pytest.raises(DrafterError, match=words):
         load_drafter(path, tiny_llama)
 
 

@@ -60,7 +60,19 @@ def test_sampling_is_seeded_and_follows_distribution() -> None:
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_k": -2}, {"top_p": 0}, {"top_p": 1.5}])
+def test_a_vanishing_temperature_samples_the_argmax() -> None:
+    """Temperatures so small that logits / T overflow still give a distribution (all mass on the argmax, shared
+    between exact ties), not NaN, for large logits too."""
+    for t in (1e-45, 1e-30, 1e-8):
+        p = probabilities(LOGITS * 1000, SamplingParams(temperature=t))
+        assert p.tolist() == [0, 1, 0, 0, 0]
+        assert select_token(LOGITS, SamplingParams(temperature=t, seed=0), SamplingParams(seed=0).generator()) == 1
+    tie = probabilities(torch.tensor([1.0, 3.0, 3.0]), SamplingParams(temperature=1e-45))
+    assert tie.tolist() == [0, 0.5, 0.5]
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"temperature": float("inf")}, {"temperature": float("nan")},
+                                    {"top_k": -2}, {"top_p": 0}, {"top_p": 1.5}, {"top_p": float("nan")}])
 def test_invalid_params_are_refused(kwargs) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(MoaspecError):
         SamplingParams(**kwargs)

@@ -158,6 +158,27 @@ def test_raw_http_errors(server: str) -> None:
         assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+        r = http.post("/v1/chat/completions", content=iter([big[:1000], big[1000:]]),  # chunked: no Content-Length
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "no body" in r.json()["error"]["message"]
+        for loose in ({"max_tokens": True}, {"stream": "yes"}, {"temperature": "0.5"}, {"seed": 1.5}, {"stop": 5},
+                      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}):
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **loose})
+            param = r.json()["error"]["param"]
+            assert r.status_code == 400 and param.split(".")[0] == next(iter(loose)), (loose, r.text)
+            assert not {"str", "int"} & set(param.split(".")) and "[" not in param, param  # no union branch names
+        r = http.post("/v1/chat/completions", content=b'{"model": "%s", "messages": %s, "temperature": NaN}'
+                      % (MODEL.encode(), json.dumps(MESSAGES).encode()), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
+        lone = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]})  # escaped in JSON
+        r = http.post("/v1/chat/completions", content=lone.encode(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "temperature": 1e-45,
+                                                    "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0  # near-greedy, not NaN
         r = http.get("/v1/nowhere")
         assert r.status_code == 404 and "error" in r.json()
         assert http.get("/health").json()["status"] == "ok"

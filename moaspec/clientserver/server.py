@@ -20,7 +20,7 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from moaspec.clientserver.sessions import MAX_SUPPORT, SessionError, SessionStore
 from moaspec.decoding.sampling import SamplingParams
@@ -31,10 +31,10 @@ class SamplingRequest(BaseModel):
     """How the session picks the target's tokens; temperature 0 (the default) is greedy."""
 
     model_config = ConfigDict(extra="forbid")
-    temperature: float = Field(0.0, ge=0, le=100)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    temperature: StrictFloat = Field(0.0, ge=0, le=100, allow_inf_nan=False)
+    top_k: StrictInt = Field(0, ge=0)
+    top_p: StrictFloat = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
 
     def params(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
@@ -42,11 +42,11 @@ class SamplingRequest(BaseModel):
 
 class OpenRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    prompt: list[int]
+    prompt: list[StrictInt]  # strict: JSON's true or 2.0 is not a token id
     state: Literal["moa", "eagle", "none"] = "moa"
     state_format: Literal["fp16", "int8"] = "fp16"
-    max_new_tokens: int | None = Field(None, ge=1)
-    target_layers: int = Field(0, ge=0)  # send the last N layers' K/V too (a client with Target Layer Inference)
+    max_new_tokens: StrictInt | None = Field(None, ge=1)
+    target_layers: StrictInt = Field(0, ge=0)  # send the last N layers' K/V too (a client with Target Layer Inference)
     drafter: str | None = Field(None, max_length=64)  # the client's MoA drafter (fingerprint), if the server holds several
     sampling: SamplingRequest = SamplingRequest()
 
@@ -55,15 +55,15 @@ class DraftDist(BaseModel):
     """The distribution one draft was drawn from, over the few tokens it gives probability."""
 
     model_config = ConfigDict(extra="forbid")
-    ids: list[int] = Field(max_length=MAX_SUPPORT)
-    probs: list[float] = Field(max_length=MAX_SUPPORT)
+    ids: list[StrictInt] = Field(max_length=MAX_SUPPORT)
+    probs: list[StrictFloat] = Field(max_length=MAX_SUPPORT)
 
 
 class VerifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    verified: int = Field(ge=1)
-    draft: list[int]
-    parents: list[int] | None = None  # a draft tree: each node's parent (0: the root, j: draft[j - 1])
+    verified: StrictInt = Field(ge=1)
+    draft: list[StrictInt]
+    parents: list[StrictInt] | None = None  # a draft tree: each node's parent (0: the root, j: draft[j - 1])
     dists: list[DraftDist | None] | None = None  # sampling sessions' chains: what each draft was drawn from
 
     def draft_dists(self) -> list[tuple[list[int], list[float]] | None] | None:

@@ -95,6 +95,7 @@ class Session:
     generator: torch.Generator | None = None  # seeded from sampling.seed; None when greedy
     lock: threading.Lock = field(default_factory=threading.Lock)
     last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # ((verified, draft, parents, dists), answer) for retries
+    limit: int = 2**62  # prompt + the new tokens the session was opened for: no verification starts past it
 
 
 class SessionStore:
@@ -182,7 +183,8 @@ class SessionStore:
             sid = secrets.token_urlsafe(16)
             cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
             s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s, sampling,
-                        None if sampling.greedy else sampling.generator(self.target.model.device))
+                        None if sampling.greedy else sampling.generator(self.target.model.device),
+                        limit=len(prompt) + budget)
             self._sessions[sid] = s
         try:
             with s.lock:
@@ -273,8 +275,9 @@ class SessionStore:
             if verified != len(s.tokens):
                 raise SessionError(409, f"the session has {len(s.tokens)} verified tokens, the request assumes {verified}")
             cache = s.cache
-            if cache.length + 1 + len(draft) > cache.capacity:
-                raise SessionError(400, "the session has used its token budget; open a new one")
+            if len(s.tokens) >= s.limit or cache.length + 1 + len(draft) > cache.capacity:
+                raise SessionError(400, "the session has used its token budget (the max_new_tokens it was opened with, "
+                                        "or the context window); open a new one")
             start, device = cache.length, self.target.model.device
             nodes = torch.tensor([s.tokens[-1], *draft], dtype=torch.long)
             greedy, gen = s.sampling.greedy, s.generator

@@ -9,6 +9,7 @@ acceptance code serve both modes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +27,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise MoaspecError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise MoaspecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise MoaspecError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -50,8 +51,14 @@ class SamplingParams:
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k and top-p along the last axis; removed entries become -inf."""
-    logits = logits.float() / params.temperature
+    """Apply temperature, top-k and top-p along the last axis; removed entries become -inf.
+
+    The largest logit is subtracted before dividing by the temperature (softmax does not
+    change): a very small temperature then sends the others to -inf instead of sending
+    every logit to ±inf, whose softmax would be NaN.
+    """
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

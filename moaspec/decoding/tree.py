@@ -41,12 +41,15 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.total < 1:
-            raise MoaspecError(f"a draft tree needs depth >= 1, top_k >= 1 and total >= 1, got {self}")
+            raise MoaspecError(f"a draft tree needs depth >= 1, top_k >= 1 and total >= 1, got {self.describe()}")
         # far past any useful tree (each level is a drafter call, each node a verified token), and
         # far below a size that would stall a request for minutes
         if self.depth > MAX_TREE["depth"] or self.top_k > MAX_TREE["top_k"] or self.total > MAX_TREE["total"]:
             raise MoaspecError(f"a draft tree may have depth <= {MAX_TREE['depth']}, top_k <= {MAX_TREE['top_k']} and "
-                               f"total <= {MAX_TREE['total']} (the paper's GPU tree: 6, 8, 62), got {self}")
+                               f"total <= {MAX_TREE['total']} (the paper's GPU tree: 6, 8, 62), got {self.describe()}")
+
+    def describe(self) -> str:
+        return f"depth {self.depth}, top_k {self.top_k}, total {self.total}"
 
 
 @dataclass

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar, get_type_hints
 
 import torch
 from torch import nn
@@ -47,12 +48,36 @@ class DrafterConfig:
             head_dim=cfg.head_dim,
         )
 
+    MAY_BE_ZERO: ClassVar[frozenset[str]] = frozenset({"draft_vocab_size", "tli_layers"})
+
     @classmethod
     def from_dict(cls: type[C], d: dict[str, Any]) -> C:
+        """The config a checkpoint's JSON describes, its fields checked (ValueError names the first bad one):
+        whole numbers >= 1 (or >= 0 where 0 means "off"), finite non-negative floats, booleans, strings."""
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
-        return cls(**d)
+        hints = get_type_hints(cls)
+        for name, value in d.items():
+            kind = hints[name]
+            if kind is bool:
+                ok, want = isinstance(value, bool), "true or false"
+            elif kind is int:
+                low = 0 if name in cls.MAY_BE_ZERO else 1
+                ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= low, f"a whole number >= {low}"
+            elif kind is float:
+                ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+                want = "a finite number >= 0"
+            else:
+                ok, want = isinstance(value, kind), kind.__name__
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {value!r}")
+        cfg = cls(**d)
+        if cfg.draft_vocab_size > cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} exceeds vocab_size {cfg.vocab_size}")
+        if cfg.heads % cfg.kv_heads:
+            raise ValueError(f"heads ({cfg.heads}) must be a multiple of kv_heads ({cfg.kv_heads})")
+        return cfg
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,6 +89,7 @@ class DrafterConfig:
             "number of layers": (self.num_target_layers, cfg.num_layers),
             "K/V width per layer": (self.target_kv_width, 2 * cfg.kv_dim),
             "vocabulary size": (self.vocab_size, cfg.vocab_size),
+            "context window": (self.max_positions, cfg.max_position_embeddings),
         }
         for what, (mine, theirs) in expected.items():
             if mine != theirs:

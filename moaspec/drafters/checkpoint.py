@@ -79,7 +79,8 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise DrafterError(f"drafter {path} does not exist")
     if not path.is_dir() or not cfg_file.is_file():
-        raise DrafterError(f"{path} is not a drafter checkpoint (no config.json)")
+        hint = f"; {path / 'drafter'} is the drafter this training run exported" if (path / "drafter" / "config.json").is_file() else ""
+        raise DrafterError(f"{path} is not a drafter checkpoint (no config.json){hint}")
     try:
         meta = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
@@ -92,7 +93,9 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
-    want = meta.get("target", {})
+    want = meta.get("target")
+    if not isinstance(want, dict):
+        raise DrafterError(f"{path} does not say which target it was trained for (no \"target\" in its config.json)")
     if want.get("fingerprint") != target.fingerprint:
         raise DrafterError(
             f"the drafter {path} was trained for target {want.get('name', '?')} (fingerprint "
@@ -147,8 +150,15 @@ def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | Non
         state = load_file(str(path / "model.safetensors"))
     except (SafetensorError, OSError) as exc:
         raise DrafterError(f"cannot read {path / 'model.safetensors'}: {exc}") from None
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise DrafterError(f"{path} holds weights that are not finite (NaN or inf, e.g. {bad[0]}): the training that "
+                           "wrote it diverged; use an earlier checkpoint or train again with a lower --lr")
     model = target.model
-    drafter = drafter_cls(cfg).to(device=model.device, dtype=dtype or drafting_dtype(target))
+    try:
+        drafter = drafter_cls(cfg).to(device=model.device, dtype=dtype or drafting_dtype(target))
+    except (RuntimeError, ValueError, MemoryError) as exc:  # sizes a hand-edited config.json made impossible
+        raise DrafterError(f"{path} has an invalid drafter config: cannot build it ({brief(exc)})") from None
     expected = drafter.state_dict()
     for k, v in state.items():
         if k in expected and v.is_floating_point():

@@ -23,12 +23,13 @@ from moaspec.serving.errors import APIError, error_body, install_handlers
 from moaspec.serving.openai_api import OpenAIRoutes
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimit:
-    """Refuse request bodies over ``limit`` bytes with a 413, declared or streamed."""
+    """Refuse request bodies over ``limit`` bytes with a 413, declared (Content-Length) or streamed (chunked).
+
+    A streamed body is counted as the app reads it. Past the limit the 413 goes out at
+    once, the app is told the client left (so it stops reading), and whatever it answers
+    after that is dropped: the 413 is the response, not a body parser's complaint.
+    """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -42,26 +43,33 @@ class BodyLimit:
             await self._refuse(scope, receive, send)
             return
         seen = 0
-        started = False
+        started = refused = False
 
         async def counted() -> Message:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             msg = await receive()
             seen += len(msg.get("body", b""))
             if seen > self.limit:
-                raise _TooLarge
+                refused = True
+                if not started:  # a streaming response already under way cannot turn into a 413
+                    await self._refuse(scope, receive, send)
+                return {"type": "http.disconnect"}
             return msg
 
         async def tracked(msg: Message) -> None:
             nonlocal started
+            if refused:
+                return
             started = started or msg["type"] == "http.response.start"
             await send(msg)
 
         try:
             await self.app(scope, counted, tracked)
-        except _TooLarge:
-            if not started:
-                await self._refuse(scope, receive, send)
+        except Exception:
+            if not refused:  # the app's own failure; only the one this caused is ours to absorb
+                raise
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_body(413, f"the request body is over the server's limit of {self.limit} bytes")

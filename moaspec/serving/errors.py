@@ -21,8 +21,12 @@ from moaspec.serving.engine import Overloaded
 log = logging.getLogger("moaspec.serve")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 499: "invalid_request_error",
+         405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+         499: "invalid_request_error",
          503: "server_overloaded"}
+
+
+UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "none"})
 
 
 class APIError(Exception):
@@ -44,13 +48,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # a union's failed branch is named in the location ('str', 'list[TextPart]', ...): not a parameter name
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not (isinstance(x, str) and (x in UNION_BRANCHES or "[" in x))]
     if e.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     if e.get("type") == "extra_forbidden":
         return f"unrecognized request argument supplied: {'.'.join(loc)}", ".".join(loc) or None
     if e.get("type") == "missing":
-        return f"missing required parameter: {'.'.join(loc)}", ".".join(loc) or None
+        if not loc:
+            return "the request has no body: send a JSON object", None
+        return f"missing required parameter: {'.'.join(loc)}", ".".join(loc)
     where = ".".join(loc)
     return (f"invalid value for '{where}': {e.get('msg', 'invalid')}" if where else str(e.get("msg"))), where or None
 

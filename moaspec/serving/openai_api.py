@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from moaspec.chat import encode_chat, encode_text
 from moaspec.decoding.generation import GenerationConfig, GenerationResult
@@ -50,7 +50,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Common(BaseModel):
@@ -58,13 +58,14 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    # strict numbers and booleans: JSON's true is not a token count, nor "yes" a boolean, nor NaN a temperature
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: StrictFloat = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     n: Literal[1] = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
@@ -80,11 +81,11 @@ class _Common(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[StrictInt]
     echo: Literal[False] = False
     logprobs: Literal[0] | None = None  # type: ignore[assignment]  # the completions API's logprobs is an int
 

@@ -110,12 +110,18 @@ def usable_query(query: str) -> bool:
     return 3 <= len(words) <= 300 and "<|" not in query and sum(c.isalpha() for c in query) > 0.5 * len(query.replace(" ", ""))
 
 
+# what a `moaspec data` directory holds: the manifest that makes it resumable, and what is written before
+# it (shards) or beside it later (the trainer's cached target features); anything else is someone else's
+OUTPUT_MARKER = "manifest.json"
+OUTPUT_FILES = ("shard-*.jsonl", "features")
+
+
 class DataWriter:
     """Owns an output directory: its manifest, its shards, and the dedup set."""
 
     def __init__(self, out: Path, identity: dict[str, Any]) -> None:
         self.out = out
-        self.manifest_path = out / "manifest.json"
+        self.manifest_path = out / OUTPUT_MARKER
         if self.manifest_path.exists():
             manifest = read_manifest(out)  # a damaged one is refused, naming the file
             if manifest["identity"] != identity:

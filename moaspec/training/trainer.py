@@ -94,6 +94,11 @@ class TrainConfig:
     same_data_as: str = ""  # replay this run's shards per epoch and draft vocabulary (a like-for-like comparison)
 
 
+# what a run directory holds: progress.json makes it resumable; the logs and state may come before it
+RUN_MARKER = "progress.json"
+RUN_FILES = ("train_log.csv", "val_log.csv", "train_config.json", "state", "state.tmp", "state.old", "drafter")
+
+
 def shard_counts(saved: dict[str, Any]) -> dict[int, list[int]]:
     """``epoch_shards`` as saved in progress.json; runs from before multi-directory data saved one count per epoch."""
     return {int(k): [int(v)] if isinstance(v, int) else [int(x) for x in v] for k, v in saved.items()}
@@ -291,15 +296,19 @@ class Trainer:
         before it (too little data, a bad option) leaves no directory behind to be
         mistaken for a run.
         """
-        if not (self.out / "progress.json").is_file():
+        if not (self.out / RUN_MARKER).is_file():
             return
         try:
             saved = read_progress(self.out)
         except DamagedFile as exc:
             raise self._cannot_resume(str(exc)) from None
         # a setting added after the run began was then at its default
-        if {**asdict(TrainConfig()), **saved["config"]} != asdict(self.cfg):
-            raise MoaspecError(f"{self.out} holds a run with other settings; resume with the same options or choose a new --output")
+        before, now = {**asdict(TrainConfig()), **saved["config"]}, asdict(self.cfg)
+        if before != now:
+            changed = ", ".join(f"{k} {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k])
+            raise MoaspecError(f"{self.out} holds a run with other settings ({changed}); resume it with the same "
+                               "options, or choose a new --output (to train a finished drafter further: --init-from "
+                               f"{self.out / 'drafter'})")
         if not self.state_dir.is_dir():
             raise self._cannot_resume(f"{self.state_dir}, its saved state, is missing")
         try:
@@ -314,8 +323,19 @@ class Trainer:
         """The error for a run directory whose progress or saved state is damaged: only starting afresh helps."""
         return MoaspecError(f"{self.out} cannot be resumed: {problem}; remove the directory (or pass another --output) to start afresh")
 
+    def _diverged(self, what: str) -> MoaspecError:
+        """The error that ends a run whose weights or loss went non-finite; what was saved before stays."""
+        saved = f"{self.out} keeps update {read_progress(self.out)['step']}" if (self.out / RUN_MARKER).is_file() \
+            else "nothing was saved"
+        return MoaspecError(f"{what}: training diverged; {saved}. Train again with a lower --lr")
+
     def save(self, final: bool = False) -> None:
-        """Save resumable state, then the exported drafter; both atomically (temp + rename)."""
+        """Save resumable state, then the exported drafter; both atomically (temp + rename).
+
+        Weights that are not finite are never saved (every process holds the same weights,
+        so all of them stop here together)."""
+        if not all(bool(torch.isfinite(w).all()) for w in self.model.parameters()):
+            raise self._diverged(f"the drafter's weights are not finite (NaN or inf) after update {self.step}")
         self.acc.wait_for_everyone()
         tmp = self.out / "state.tmp"
         if self.acc.is_main_process:
@@ -332,7 +352,7 @@ class Trainer:
                 os.replace(self.state_dir, old)
             os.replace(tmp, self.state_dir)
             shutil.rmtree(old, ignore_errors=True)
-            atomic_write_text(self.out / "progress.json", json.dumps(
+            atomic_write_text(self.out / RUN_MARKER, json.dumps(
                 {"step": self.step, "tokens": self.tokens, "wall_s": self.wall, "config": asdict(self.cfg),
                  "epoch_shards": self.epoch_shards}, indent=1))
             save_drafter(self.acc.unwrap_model(self.model), self.out / "drafter", target_identity(self.target),
@@ -442,7 +462,12 @@ class Trainer:
                 parts["kl"] += info["kl"] / cfg.grad_accum
                 parts["feature"] += info["feature"] / cfg.grad_accum
                 step_tokens += info["tokens"]
-            step_tokens = int(self.acc.gather(torch.tensor([step_tokens], device=self.acc.device)).sum())
+            # one gather for every process's tokens and loss: a loss that is not finite stops them all together
+            totals = self.acc.gather(torch.tensor([[step_tokens, parts["loss"]]], dtype=torch.float32,
+                                                  device=self.acc.device))
+            step_tokens = int(totals[:, 0].sum())
+            if not torch.isfinite(totals[:, 1]).all():
+                raise self._diverged(f"the training loss is not finite (NaN or inf) at update {self.step + 1}")
             dt = time.perf_counter() - t0
             self.step += 1
             self.tokens += step_tokens
