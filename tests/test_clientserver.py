@@ -465,6 +465,15 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
         assert cold.status_code == 200
 
 
+def test_repeated_ngrams_measure_loops() -> None:
+    from moaspec.clientserver.bench import repeated_ngrams
+
+    assert repeated_ngrams(list(range(20))) == 0.0
+    assert repeated_ngrams([1, 2, 3, 4] * 5, n=4) == 13 / 17  # a loop of 4: its 4 rotations are new, the rest repeat
+    assert repeated_ngrams([1, 2, 3]) == 0.0  # shorter than one 4-gram
+    assert repeated_ngrams([7, 7, 7, 7, 7], n=2) == 3 / 4
+
+
 def test_sessions_are_limited_and_expire(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
     with running(make_app(tiny_llama, drafter, max_sessions=2, ttl_s=0.5)) as url:
         remote = RemoteTarget(url, KEY, retries=0)
@@ -609,6 +618,7 @@ def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # t
             assert row["server_calls_per_100_tokens"] > 0 and row["ttft_s"] > 0
     d = summary["disconnect"]["moa"]["N=0"]
     assert d["perplexity"] > 1 and d["per_question"][0]["verified_before_cut"] >= 3
+    assert 0 <= d["repeated_4grams"] <= 1 and 0 <= d["target_greedy_repeated_4grams"] <= 1
     assert main([*args[:-3], "--methods", "moa,eagle2", "--output", str(tmp_path / "o2")]) == 2
     assert "--eagle-drafter" in capsys.readouterr().err
     assert main([*args[:-3], "--methods", "independent", "--independent-drafter", str(path), "--output", str(tmp_path / "o4")]) == 2

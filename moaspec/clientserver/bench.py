@@ -155,6 +155,19 @@ def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def repeated_ngrams(tokens: Sequence[int], n: int = 4) -> float:
+    """The share of ``tokens``' n-grams that already occurred earlier in them: 0 for text that never repeats
+    itself, near 1 for a loop. A low perplexity alone does not tell a faithful continuation from a loop of
+    likely tokens; this does."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams) if grams else 0.0
+
+
 def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int], profile: Profile,
                 ids: Sequence[int], after: int, cont: int, chain: int, fmt: str, seed: int) -> dict[str, Any]:
     proxy = NetworkProxy(upstream, profile, seed).start()
@@ -178,7 +191,8 @@ def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int]
                          GenerationConfig(max_new_tokens=cont, ignore_eos=True)).token_ids
     return {"verified_before_cut": len(verified), "perplexity": perplexity(target, context, alone),
             "target_greedy_perplexity": perplexity(target, context, reference),
-            "exact_match_tokens": matching_prefix(alone, reference)}
+            "exact_match_tokens": matching_prefix(alone, reference),
+            "repeated_4grams": repeated_ngrams(alone), "target_greedy_repeated_4grams": repeated_ngrams(reference)}
 
 
 def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: list[Question], profiles: list[Profile],
@@ -282,10 +296,7 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
                            _disconnect(target, d, upstream, profiles[0], ids, disconnect_after, continue_tokens, chain, fmt, i))
                        for i, (_, ids) in enumerate(progress_bar(iterable=prompts, disable=not progress, desc=f"disconnect {m}"))]
             summary["disconnect"].setdefault(m, {})[label] = {
-                "perplexity": round(sum(r["perplexity"] for r in results) / len(results), 3),
-                "target_greedy_perplexity": round(sum(r["target_greedy_perplexity"] for r in results) / len(results), 3),
-                "exact_match_tokens": round(sum(r["exact_match_tokens"] for r in results) / len(results), 2),
-                "per_question": results}
+                **{key: _mean(results, key, digits) for key, digits in DISCONNECT_MEANS}, "per_question": results}
         if studied:
             summary["disconnect"].update({"after_tokens": disconnect_after, "continue_tokens": continue_tokens})
     finally:
@@ -297,6 +308,17 @@ def run_bench_cs(target: LoadedModel, drafters: dict[str, Drafter], questions: l
     return summary
 
 
+# the disconnection study's figures, averaged over the questions (and the digits they are rounded to)
+DISCONNECT_MEANS = (("perplexity", 3), ("target_greedy_perplexity", 3), ("exact_match_tokens", 2),
+                    ("repeated_4grams", 3), ("target_greedy_repeated_4grams", 3))
+
+
+def _mean(results: list[dict[str, Any]], key: str, digits: int) -> float | None:
+    """The mean of ``key`` over the questions that have it (a journal from before a figure existed lacks it)."""
+    values = [r[key] for r in results if key in r]
+    return round(sum(values) / len(values), digits) if values else None
+
+
 def table(summary: dict[str, Any]) -> str:
     lines = ["profile  method       tokens/s  ttft_s  server calls/100 tok  bytes/token  tau"]
     for name, methods in summary["profiles"].items():
@@ -305,6 +327,9 @@ def table(summary: dict[str, Any]) -> str:
                          f"  {s['bytes_per_token']:>11.1f}  {s.get('tau', float('nan')):.2f}")
     for m in METHODS:
         for n, d in summary.get("disconnect", {}).get(m, {}).items():
+            repeats = d.get("repeated_4grams")
             lines.append(f"disconnect {m} {n}: continuation perplexity {d['perplexity']:.2f} (target's own greedy: "
-                         f"{d['target_greedy_perplexity']:.2f}), exact match {d['exact_match_tokens']:.1f} tokens")
+                         f"{d['target_greedy_perplexity']:.2f}), exact match {d['exact_match_tokens']:.1f} tokens"
+                         + ("" if repeats is None else f", repeated 4-grams {repeats:.0%} (target's own greedy: "
+                                                       f"{d['target_greedy_repeated_4grams']:.0%})"))
     return "\n".join(lines)
