@@ -122,6 +122,16 @@ def test_missing_model_path() -> None:
     assert_one_line_error(run_cli("generate", "hi", "--model", "/no/such/model"), "does not exist")
 
 
+@pytest.mark.parametrize("content,fragment", [(b"", "not a GGUF file"), (b"hello, world", "not a GGUF file"),
+                                              (b"GGUF\x03\x00\x00\x00", "truncated GGUF file (8 bytes)")])
+def test_a_file_that_is_not_gguf_is_named_before_converting(tmp_path: Path, content: bytes, fragment: str) -> None:
+    bad = tmp_path / "m.gguf"
+    bad.write_bytes(content)
+    proc = run_cli("generate", "hi", "--model", str(bad), "--max-new-tokens", "2")
+    assert_one_line_error(proc, fragment)
+    assert "converting" not in proc.stderr
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     assert_one_line_error(run_cli("generate", "hi", "--model", str(tmp_path)), "unsupported architecture 'gpt2'")

@@ -244,7 +244,8 @@ HAND_EDITS = {"negative-vocab": ("draft_vocab_size", -5, "draft_vocab_size must 
               "huge-vocab": ("draft_vocab_size", 10**12, "exceeds vocab_size"),
               "nan-theta": ("rope_theta", "NaN", "rope_theta must be a finite number"),
               "positions": ("max_positions", 7, "context window"),
-              "flag": ("newest_entry", 1, "newest_entry must be true or false")}
+              "flag": ("newest_entry", 1, "newest_entry must be true or false"),
+              "missing": ("hidden_size", "delete", "missing MoAConfig fields: ['hidden_size']")}
 
 
 @pytest.mark.parametrize("edit", sorted(HAND_EDITS))
@@ -252,7 +253,10 @@ def test_a_hand_edited_config_is_refused_naming_the_field(tiny_llama, tmp_path: 
     path = save_drafter(make_drafter(tiny_llama), tmp_path / "d", target_identity(tiny_llama))
     field, value, words = HAND_EDITS[edit]
     meta = json.loads((path / "config.json").read_text())
-    meta["config"][field] = float("nan") if value == "NaN" else value
+    if value == "delete":
+        del meta["config"][field]
+    else:
+        meta["config"][field] = float("nan") if value == "NaN" else value
     (path / "config.json").write_text(json.dumps(meta))
     with pytest.raises(DrafterError, match="invalid drafter config") as err:
         load_drafter(path, tiny_llama)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar, get_type_hints
 
 import torch
@@ -57,6 +57,9 @@ class DrafterConfig:
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
+        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
+        if missing:
+            raise ValueError(f"missing {cls.__name__} fields: {missing}")
         hints = get_type_hints(cls)
         for name, value in d.items():
             kind = hints[name]

@@ -76,6 +76,12 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    with gguf.open("rb") as f:  # GGUF's header: the magic, a version, and two counts (24 bytes)
+        header = f.read(24)
+    if header[:4] != b"GGUF":
+        raise ModelLoadError(f"{gguf} is not a GGUF file (it does not begin with the bytes 'GGUF')")
+    if len(header) < 24:
+        raise ModelLoadError(f"{gguf} is a truncated GGUF file ({len(header)} bytes)")
     print(f"moaspec: converting {gguf.name} once into {dest} ...", file=sys.stderr)
     hf_logging.disable_progress_bar()
     try:
