@@ -413,6 +413,10 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
             (("DELETE", "/sessions/nope"), {}, 404, "unknown"),
             (("GET", "/info"), {"headers": {"Authorization": "Bearer wrong"}}, 401, "Incorrect API key"),
             (("GET", "/info"), {"headers": {"Authorization": ""}}, 401, "didn't provide"),
+            # the key is checked before the body is read: without it, a malformed body says nothing
+            (("POST", "/sessions"), {"content": b"{oops", "headers": {"Authorization": "Bearer wrong",
+                                                                     "Content-Type": "application/json"}},
+             401, "Incorrect API key"),
         ]
         hot = http.post("/sessions", json={"prompt": PROMPT, "sampling": {"temperature": 1.0, "seed": 1}}).json()
         hn, verify = hot["verified"], f"/sessions/{hot['session']}/verify"

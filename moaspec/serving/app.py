@@ -12,14 +12,14 @@ import socket
 from importlib import resources
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moaspec.clientserver.sessions import SessionStore
 from moaspec.errors import MoaspecError
 from moaspec.serving.engine import Engine
-from moaspec.serving.errors import APIError, error_body, install_handlers
+from moaspec.serving.errors import error_body, install_handlers
 from moaspec.serving.openai_api import OpenAIRoutes
 
 
@@ -76,21 +76,29 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def bearer_auth(api_key: str | None) -> Any:
-    """A dependency that requires ``Authorization: Bearer <api_key>`` when a key is set."""
+class BearerAuth:
+    """Require ``Authorization: Bearer <api_key>`` on the API's paths (``/v1``, ``/cs/v1``) before anything
+    else reads the request, so a client without the key learns nothing, not even whether its body parses.
+    The chat page and ``/health`` stay open."""
 
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "You didn't provide an API key: send 'Authorization: Bearer YOUR_KEY'",
-                           code="invalid_api_key")
-        if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+    PREFIXES = ("/v1/", "/cs/v1/")
 
-    return check
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.PREFIXES):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            problem = None
+            if scheme.lower() != "bearer" or not token.strip():
+                problem = "You didn't provide an API key: send 'Authorization: Bearer YOUR_KEY'"
+            elif not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+                problem = "Incorrect API key provided"
+            if problem:
+                await error_body(401, problem, code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, default_max_tokens: int = 512,
@@ -102,12 +110,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, defa
     app = FastAPI(title="moaspec", summary="MoA speculative decoding, OpenAI-compatible", docs_url="/docs",
                   redoc_url=None)
     install_handlers(app)
-    auth = bearer_auth(api_key)
-    app.include_router(OpenAIRoutes(engine, model_name, default_max_tokens).router(auth))
+    app.include_router(OpenAIRoutes(engine, model_name, default_max_tokens).router())
     if sessions is not None:
         from moaspec.clientserver.server import router
 
-        app.include_router(router(sessions, auth, workers=engine.parallel))
+        app.include_router(router(sessions, workers=engine.parallel))
     page = resources.files("moaspec.serving").joinpath("static/chat.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -119,6 +126,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, defa
         return {"status": "ok", "model": model_name, "method": engine.strategy.describe(), **engine.load}
 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)  # added last, so it runs first
     return app
 
 
