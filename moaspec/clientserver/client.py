@@ -447,7 +447,7 @@ class SplitGeneration:
         try:
             first = self._open(prompt_ids, budget)
         except ServerUnreachable as exc:
-            raise MoaspecError(f"could not open a session on the server (after the retries): {exc}") from None
+            raise MoaspecError(f"cannot reach the server to start: {exc}") from None
         ttft = time.perf_counter() - t0
         self.tokens = list(prompt_ids) + [first]  # verified tokens, then the unverified tail
         self.tail_q: list[Dist] = []  # what each token of the unverified tail was drawn from
