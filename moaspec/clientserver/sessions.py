@@ -91,11 +91,11 @@ class Session:
     fmt: str
     layers: int  # the last layers whose K/V the client asked for (Target Layer Inference)
     expires: float
+    limit: int  # prompt + the new tokens the session was opened for: no verification starts past it
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None  # seeded from sampling.seed; None when greedy
     lock: threading.Lock = field(default_factory=threading.Lock)
     last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # ((verified, draft, parents, dists), answer) for retries
-    limit: int = 2**62  # prompt + the new tokens the session was opened for: no verification starts past it
 
 
 class SessionStore:
@@ -182,9 +182,8 @@ class SessionStore:
                 raise SessionError(503, f"the server holds its maximum of {lim.max_sessions} sessions; retry later")
             sid = secrets.token_urlsafe(16)
             cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
-            s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s, sampling,
-                        None if sampling.greedy else sampling.generator(self.target.model.device),
-                        limit=len(prompt) + budget)
+            s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s, len(prompt) + budget,
+                        sampling, None if sampling.greedy else sampling.generator(self.target.model.device))
             self._sessions[sid] = s
         try:
             with s.lock:
