@@ -388,6 +388,9 @@ def _read_messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
         return None
     if args.prompt is not None:
         raise MoaspecError("give either a prompt or --messages, not both")
+    if args.system is not None or args.raw:
+        raise MoaspecError("--messages carries its own system message and chat template: --system and --raw apply "
+                           "to a single prompt")
     try:
         with open(args.messages, encoding="utf-8") as f:
             data = json.load(f)
@@ -403,7 +406,8 @@ def _read_messages(args: argparse.Namespace) -> list[dict[str, str]] | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from moaspec.chat import chat_messages, encode_chat, encode_text
+    from moaspec.api import encode_prompt
+    from moaspec.chat import encode_chat
     from moaspec.decoding import GenerationConfig, SamplingParams
     from moaspec.errors import PromptError
 
@@ -420,12 +424,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     loaded = _load(args)
-    if messages is not None:
-        ids = encode_chat(loaded.tokenizer, messages)
-    elif args.raw:
-        ids = encode_text(loaded.tokenizer, prompt)
-    else:
-        ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
+    ids = encode_chat(loaded.tokenizer, messages) if messages is not None else encode_prompt(loaded, prompt, args.system,
+                                                                                              args.raw)
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
@@ -451,25 +451,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
     """The decoding the options ask for: the given or shipped drafter, chain or tree, prompt lookup; or none."""
-    from moaspec.decoding.strategy import Strategy
-    from moaspec.drafters import load_drafter, shipped_drafter
+    from moaspec.api import SHIPPED, decoding_strategy
 
-    lookup = args.lookup if args.lookup is not None else (0 if args.no_draft else _default_lookup())
-    if lookup < 0:
+    if args.lookup is not None and args.lookup < 0:
         raise MoaspecError("--lookup must be >= 0 (0: off)")
-    if args.no_draft:
-        return Strategy(lookup=lookup)
     if args.chain < 1:
         raise MoaspecError("--chain must be >= 1")
-    path = args.drafter or shipped_drafter(loaded)
-    if path is None:
-        how = f"prompt lookup alone (--lookup {lookup})" if lookup else "plain decoding"
-        print(f"moaspec: no drafter ships for {loaded.path.name}; decoding with {how} "
-              "(train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
-        return Strategy(lookup=lookup)
+
+    def notify(message: str) -> None:
+        print(f"moaspec: {message} (train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
+
     tree = _tree_shape(args)
-    return Strategy(load_drafter(path, loaded), chain=args.chain, tree=tree, lookup=lookup,
-                    confidence=0.0 if tree is not None else args.draft_confidence)
+    return decoding_strategy(loaded, None if args.no_draft else args.drafter or SHIPPED, chain=args.chain, tree=tree,
+                             lookup=args.lookup, confidence=0.0 if tree is not None else args.draft_confidence,
+                             notify=notify)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -853,14 +848,9 @@ COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "ser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # oneDNN caches a kernel per input shape, 1024 by default; decoding sees ever new
-    # shapes (prompt and cache lengths), so a long-running server's memory grew without
-    # bound (BENCHMARKS.md). 64 keeps the shapes of decoding hot at no measured cost.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    # PyTorch's oneDNN wrapper (ideep) keeps a second cache of its own, also per shape and
-    # 1024 entries by default: with the first capped, a session server still grew about
-    # 2.5 MB per conversation; at 64 it stays flat, and decoding is as fast (BENCHMARKS.md).
-    os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
+    from moaspec.heap import cap_kernel_caches
+
+    cap_kernel_caches()  # before torch runs anything: a long-running server's memory stays flat
     args = build_parser().parse_args(argv)
     try:
         if args.command in ("bench", "bench-cs", "export-client", "export-hf"):  # data and train check their own

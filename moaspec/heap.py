@@ -13,12 +13,15 @@ while it runs share the next one.
 
 Elsewhere than glibc (macOS, musl) this does nothing: their allocators return memory
 by other rules.
+
+oneDNN's kernel caches grow with every new input shape too; :func:`cap_kernel_caches` bounds them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 from collections.abc import Callable
 
@@ -62,3 +65,16 @@ def release_free_memory() -> None:
             _worker = threading.Thread(target=_trim_when_asked, name="moaspec-heap-trim", daemon=True)
             _worker.start()
     _wanted.set()
+
+
+def cap_kernel_caches(entries: int = 64) -> None:
+    """Bound oneDNN's two per-shape kernel caches, unless the environment already sets them.
+
+    oneDNN caches a kernel per input shape (1024 by default) and PyTorch's wrapper of it (ideep) keeps a
+    second cache of its own; decoding sees ever new shapes (prompt and cache lengths), so a long-running
+    server's memory grew without bound, then with the first capped still about 2.5 MB per conversation.
+    At 64 both stay flat and decoding is as fast (BENCHMARKS.md). The caches read these variables when
+    first used, so this must run before the first CPU forward.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(entries))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(entries))

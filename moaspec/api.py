@@ -1,0 +1,163 @@
+"""moaspec from Python: load a target and its drafter once, then generate as often as you like.
+
+    import moaspec
+
+    lm = moaspec.load()                                    # SmolLM2-135M-Instruct + its shipped MoA drafter
+    out = lm.generate("Why is the sky blue?", max_new_tokens=128)
+    print(out.text, out.tau, out.target_calls)
+
+    lm = moaspec.load("path/to/hf-model", drafter="runs/moa/drafter", tree=moaspec.TreeShape(3, 2, 8))
+    lm.generate([{"role": "user", "content": "Hi"}], temperature=0.7, seed=1, on_text=print)
+
+The CLI's ``generate`` and ``serve`` build their decoding with :func:`decoding_strategy` too, so a
+setting means the same thing from Python, from the shell and on the server.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moaspec.chat import Message, chat_messages, encode_chat, encode_text
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
+from moaspec.decoding.lookup import DEFAULT_LOOKUP
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
+from moaspec.decoding.strategy import Strategy
+from moaspec.decoding.tree import TreeShape
+from moaspec.errors import MoaspecError, PromptError
+
+if TYPE_CHECKING:
+    import torch
+
+    from moaspec.models.loading import LoadedModel
+
+SHIPPED = "shipped"  # the drafter moaspec ships for the target, found by its weights' fingerprint
+DrafterChoice = str | os.PathLike[str] | None  # SHIPPED, a checkpoint directory, or None for no drafter
+Prompt = str | Sequence[Message] | Sequence[int]
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message + "; train one with `moaspec train` and pass its directory as drafter=", stacklevel=3)
+
+
+def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, chain: int = DEFAULT_CHAIN,
+                      tree: TreeShape | None = None, lookup: int | None = None,
+                      confidence: float = DEFAULT_CONFIDENCE, drafter_dtype: torch.dtype | None = None,
+                      notify: Callable[[str], None] = _warn) -> Strategy:
+    """How ``target`` will decode: ``drafter``'s chains of ``chain`` drafts (or its ``tree``), with up to
+    ``lookup`` prompt-lookup drafts in front (default 10 with a drafter, 0 without one).
+
+    A target for which no drafter ships decodes without one rather than failing: ``notify`` is told
+    why (a warning by default), since output is the same and only speed differs.
+    """
+    if lookup is None:
+        lookup = DEFAULT_LOOKUP if drafter is not None else 0
+    if drafter is None:
+        return Strategy(lookup=lookup)
+    if drafter == SHIPPED:
+        from moaspec.drafters import shipped_drafter
+
+        path = shipped_drafter(target)
+        if path is None:
+            how = f"prompt lookup alone (lookup {lookup})" if lookup else "plain decoding"
+            notify(f"no drafter ships for {target.path.name}; decoding with {how}")
+            return Strategy(lookup=lookup)
+    else:
+        path = Path(drafter)
+    from moaspec.drafters import load_drafter
+
+    return Strategy(load_drafter(path, target, drafter_dtype), chain=chain, tree=tree, lookup=lookup,
+                    confidence=confidence)
+
+
+def encode_prompt(target: LoadedModel, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
+    """Prompt token ids from a user message (put in the chat template, or as plain text when ``raw``), a
+    whole conversation (``[{"role": ..., "content": ...}, ...]``), or token ids taken as they are."""
+    if isinstance(prompt, str):
+        if raw:
+            return encode_text(target.tokenizer, prompt)
+        return encode_chat(target.tokenizer, chat_messages(prompt, system))
+    items = list(prompt)
+    if not items:
+        raise PromptError("the prompt is empty")
+    if isinstance(items[0], dict):
+        if system is not None or raw:
+            raise PromptError("a conversation carries its own system message and chat template: a system message "
+                              "or raw text applies to a single prompt string")
+        return encode_chat(target.tokenizer, items)
+    try:
+        ids = [operator.index(t) for t in items if not isinstance(t, bool)]
+    except TypeError:
+        ids = []
+    if len(ids) != len(items):
+        raise PromptError("a prompt is a string, a list of {'role', 'content'} messages, or a list of token ids")
+    vocab = target.cfg.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
+@dataclass(frozen=True)
+class SpeculativeModel:
+    """A loaded target and how it decodes; any number of generations, one at a time (each gets its own
+    caches and drafter state, so a generation leaves nothing behind for the next)."""
+
+    target: LoadedModel
+    strategy: Strategy
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    def with_decoding(self, drafter: DrafterChoice = SHIPPED, **decoding: Any) -> SpeculativeModel:
+        """The same loaded target with other decoding settings (those of :func:`decoding_strategy`)."""
+        return replace(self, strategy=decoding_strategy(self.target, drafter, **decoding))
+
+    def generate(self, prompt: Prompt, *, system: str | None = None, raw: bool = False, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: str | Sequence[str] = (), on_text: TextCallback | None = None,
+                 on_piece: PieceCallback | None = None) -> GenerationResult:
+        """One assistant turn for ``prompt`` (see :func:`encode_prompt`).
+
+        Greedy at ``temperature`` 0: the text is exactly what the target alone would write. Sampling keeps
+        the target's distribution; ``seed`` repeats a sample. ``on_text`` receives the text as it is
+        decoded, ``on_piece`` the same with whether it came from accepted drafts.
+        """
+        ids = encode_prompt(self.target, prompt, system, raw)
+        config = GenerationConfig(max_new_tokens=max_new_tokens,
+                                  sampling=SamplingParams(temperature, top_k, top_p, seed),
+                                  stop=(stop,) if isinstance(stop, str) else tuple(stop))
+        return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece)
+
+    def __repr__(self) -> str:
+        return f"SpeculativeModel(target={self.target.path.name!r}, decoding={self.strategy.describe()!r})"
+
+
+def load(model: str | os.PathLike[str] | None = None, drafter: DrafterChoice = SHIPPED, *,
+         device: str | None = None, dtype: torch.dtype | None = None, threads: int | None = None,
+         **decoding: Any) -> SpeculativeModel:
+    """Load a target (the default model, a ``.gguf`` file or a local Hugging Face directory) and its drafter.
+
+    ``threads`` sets torch's CPU threads for the whole process, before loading, since the runtime picks
+    its kernels by timing them at load. The target runs in fp32 unless ``dtype`` says otherwise (half
+    precision is not lossless: see the README). ``decoding``: the settings of :func:`decoding_strategy`.
+    """
+    import torch
+
+    from moaspec.heap import cap_kernel_caches
+    from moaspec.models import load_model
+
+    if threads is not None:
+        if threads < 1:
+            raise MoaspecError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    cap_kernel_caches()
+    target = load_model(None if model is None else os.fspath(model), device=device, dtype=dtype)
+    return SpeculativeModel(target, decoding_strategy(target, drafter, **decoding))

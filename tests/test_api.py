@@ -1,0 +1,119 @@
+"""The Python API (``moaspec.load``): same decoding as the CLI, lossless, clear errors for bad prompts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import moaspec
+from moaspec.api import SpeculativeModel, decoding_strategy, encode_prompt
+from moaspec.errors import PromptError
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def moa_dir(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    import torch
+
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+    from moaspec.drafters.moa import MoAConfig, MoADrafter
+    from moaspec.models import load_model_dir
+
+    target = load_model_dir(tiny_dirs["llama"], device="cpu")
+    torch.manual_seed(5)
+    return save_drafter(MoADrafter(MoAConfig.for_target(target.cfg)), tmp_path_factory.mktemp("api") / "moa",
+                        target_identity(target))
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_dirs, moa_dir) -> SpeculativeModel:  # type: ignore[no-untyped-def]
+    return moaspec.load(tiny_dirs["llama"], moa_dir, device="cpu")
+
+
+def test_importing_moaspec_does_not_load_torch() -> None:
+    """The CLI imports the package first; its start-up must not pay for torch until a command needs it."""
+    code = "import sys, moaspec; print('torch' in sys.modules, callable(moaspec.load), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True", "True"]
+
+
+@pytest.mark.parametrize("decoding", [{"chain": 1}, {"chain": 4, "lookup": 0}, {"tree": moaspec.TreeShape(2, 2, 5)},
+                                      {"chain": 3, "confidence": 0.3}])
+def test_every_decoding_writes_what_the_target_alone_writes(lm, moa_dir, decoding) -> None:  # type: ignore[no-untyped-def]
+    plain = lm.with_decoding(None).generate(PROMPT, max_new_tokens=24)
+    spec = lm.with_decoding(moa_dir, **decoding)
+    out = spec.generate(PROMPT, max_new_tokens=24)
+    assert out.token_ids == plain.token_ids and out.text == plain.text
+    assert spec.target is lm.target  # a new decoding, the same loaded weights
+    assert out.target_calls <= plain.target_calls
+
+
+def test_a_prompt_string_a_conversation_and_token_ids_agree(lm) -> None:  # type: ignore[no-untyped-def]
+    by_text = lm.generate(PROMPT, system="Be brief.", max_new_tokens=12)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    by_messages = lm.generate(messages, max_new_tokens=12)
+    ids = encode_prompt(lm.target, messages)
+    by_ids = lm.generate(ids, max_new_tokens=12)
+    assert by_text.token_ids == by_messages.token_ids == by_ids.token_ids
+    assert lm.generate(PROMPT, raw=True, max_new_tokens=12).prompt_tokens != by_text.prompt_tokens
+
+
+def test_streaming_stops_and_seeded_sampling(lm) -> None:  # type: ignore[no-untyped-def]
+    pieces: list[str] = []
+    out = lm.generate(PROMPT, max_new_tokens=16, on_text=pieces.append)
+    assert "".join(pieces) == out.text
+    if len(out.text) > 3:  # a stop string given alone, not as a sequence of characters
+        stop = out.text[2:4]
+        stopped = lm.generate(PROMPT, max_new_tokens=16, stop=stop)
+        assert stopped.finish_reason == "stop" and stop not in stopped.text
+    a, b = (lm.generate(PROMPT, max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7) for _ in range(2))
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize(("prompt", "kw", "fragment"), [
+    ("", {}, "the prompt is empty"),
+    ([], {}, "the prompt is empty"),
+    ([1, 10**9], {}, "outside the vocabulary"),
+    ([1, True], {}, "a list of token ids"),
+    ([1.5], {}, "a list of token ids"),
+    ([{"role": "user", "content": "hi"}], {"system": "x"}, "applies to a single prompt string"),
+    ([{"role": "user", "content": "hi"}], {"raw": True}, "applies to a single prompt string"),
+    ([{"role": "bot", "content": "hi"}], {}, "message 0 must be an object"),
+])
+def test_bad_prompts_are_refused_with_a_clear_error(lm, prompt, kw, fragment) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PromptError, match=fragment):
+        lm.generate(prompt, max_new_tokens=4, **kw)
+
+
+def test_bad_settings_are_refused(lm, moa_dir, tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(moaspec.MoaspecError, match="temperature"):
+        lm.generate(PROMPT, temperature=-1)
+    with pytest.raises(moaspec.MoaspecError, match="at least one draft"):
+        lm.with_decoding(moa_dir, chain=0)
+    with pytest.raises(moaspec.MoaspecError, match="threads"):
+        moaspec.load(tiny_dirs["llama"], None, threads=0)
+    with pytest.raises(moaspec.MoaspecError, match="does not exist"):
+        moaspec.load(tiny_dirs["llama"] / "missing", None)
+
+
+def test_a_target_without_a_shipped_drafter_decodes_without_one_and_says_so(lm) -> None:  # type: ignore[no-untyped-def]
+    with pytest.warns(UserWarning, match="no drafter ships for .*; decoding with prompt lookup alone"):
+        strategy = decoding_strategy(lm.target)
+    assert strategy.drafter is None and strategy.lookup > 0
+    notes: list[str] = []
+    assert decoding_strategy(lm.target, lookup=0, notify=notes.append).describe() == "vanilla"
+    assert notes and "plain decoding" in notes[0]
+
+
+def test_the_cli_refuses_system_or_raw_beside_a_conversation(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from test_cli import assert_one_line_error, run_cli
+
+    chat = tmp_path / "chat.json"
+    chat.write_text('[{"role": "user", "content": "hi"}]')
+    for extra in (["--system", "Be brief."], ["--raw"]):
+        proc = run_cli("generate", "--messages", str(chat), "--model", str(tiny_dirs["llama"]), *extra)
+        assert_one_line_error(proc, "--system and --raw apply to a single prompt")
