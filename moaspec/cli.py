@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of segments drawn longer, from segment-max+1 to --segment-long-max (drafting alone)")
     t.add_argument("--segment-long-max", type=int, default=0, help="longest of those long segments")
     t.add_argument("--no-staircase", action="store_true", help="no SA curriculum")
+    t.add_argument("--kl-weight", type=float, default=None,
+                   help="weight of the KL term of the loss (default 0.1, the paper's)")
+    t.add_argument("--feature-weight", type=float, default=None,
+                   help="weight of the SmoothL1 feature term (default 1.0, the paper's)")
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--val-fraction", type=float, default=0.02)
@@ -513,6 +517,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     _require(args, "in (0, 1)", lambda v: 0 < v < 1, "val_fraction")
     if args.segment_max < args.segment_min:
         raise MoaspecError("--segment-max must be >= --segment-min")
+    _require(args, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0, "kl_weight", "feature_weight")
+    weights = {k: v for k in ("kl_weight", "feature_weight") if (v := getattr(args, k)) is not None}
     if not 0 <= args.segment_long_fraction < 1 or (args.segment_long_fraction > 0 and args.segment_long_max <= args.segment_max):
         raise MoaspecError("--segment-long-fraction must be in [0, 1), and with it --segment-long-max > --segment-max")
     cfg = TrainConfig(
@@ -522,8 +528,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
         mixed_precision=args.mixed_precision, cache_features=not args.no_feature_cache, init_from=args.init_from,
-        same_data_as=args.same_data_as,
+        same_data_as=args.same_data_as, **weights,
     )
+    if cfg.kl_weight == cfg.feature_weight == 0:
+        raise MoaspecError("--kl-weight and --feature-weight cannot both be 0: nothing would be learnt")
     loaded = _load(args)
     if not 0 <= args.tli_layers < loaded.cfg.num_layers:
         raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")

@@ -106,6 +106,19 @@ def test_variants_train(tiny_llama, tiny_data: Path, tmp_path: Path, cfg, sizes)
         assert (drafter.cfg.lsa_width, drafter.cfg.lsa_heads) == (128, 2)
 
 
+def test_the_loss_weights_reach_training_and_validation(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``--kl-weight``/``--feature-weight`` (default the paper's 0.1 and 1.0) weigh the logged loss, which is
+    what gets minimised, in training and in the held-out evaluation alike."""
+    cfg = small(steps=2, eval_every=2, save_every=2, val_fraction=0.2, kl_weight=1.0, feature_weight=0.25)
+    Trainer(tiny_llama, tiny_data, tmp_path / "run", cfg, progress=False).train()
+    for row in read_log(tmp_path / "run" / "train_log.csv"):
+        assert float(row["loss"]) == pytest.approx(float(row["kl"]) + 0.25 * float(row["feature"]), rel=1e-3)
+    val = read_log(tmp_path / "run" / "val_log.csv")[-1]
+    assert float(val["val_loss"]) == pytest.approx(float(val["val_kl"]) + 0.25 * float(val["val_feature"]), rel=1e-3)
+    saved = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())["training"]["config"]
+    assert (saved["kl_weight"], saved["feature_weight"]) == (1.0, 0.25)
+
+
 @pytest.mark.parametrize("kind", ["moa", "eagle", "independent"])
 def test_bf16_mixed_precision_trains_and_evaluates_without_dtype_warnings(tiny_llama, tiny_data: Path, tmp_path: Path,
                                                                           kind: str) -> None:  # type: ignore[no-untyped-def]

@@ -23,7 +23,7 @@ from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
 from moaspec.training.dataset import Batch
 from moaspec.training.features import TargetOut
-from moaspec.training.losses import LossParts, distillation_loss
+from moaspec.training.losses import FEATURE_WEIGHT, KL_WEIGHT, LossParts, distillation_loss
 from moaspec.training.masks import cross_attention_mask, cycle_starts, segment_starts, self_attention_mask
 
 
@@ -95,8 +95,10 @@ class StepOut:
 
 
 def drafter_loss(drafter: Drafter, target: Transformer, batch: Batch, masks: Masks, tgt: TargetOut,
-                 wrapped: torch.nn.Module | None = None) -> StepOut:
-    """The paper's loss on response positions; with N > 0 the feature term averages both states.
+                 wrapped: torch.nn.Module | None = None, kl_weight: float = KL_WEIGHT,
+                 feature_weight: float = FEATURE_WEIGHT) -> StepOut:
+    """The paper's loss on response positions (its weights unless others are given); with N > 0 the feature
+    term averages both states.
 
     ``wrapped`` is the drafter as the training framework wrapped it (DDP): its forward
     must be the one called so that gradients are synchronised. An EAGLE drafter gets
@@ -107,7 +109,8 @@ def drafter_loss(drafter: Drafter, target: Transformer, batch: Batch, masks: Mas
     draft_logits = drafter.head(draft_feats[0])
     with torch.no_grad():
         target_logits = drafter.head(target_feats[0])
-    return StepOut(distillation_loss(target_logits, draft_logits, target_feats, draft_feats), draft_logits, target_logits)
+    loss = distillation_loss(target_logits, draft_logits, target_feats, draft_feats, kl_weight, feature_weight)
+    return StepOut(loss, draft_logits, target_logits)
 
 
 def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, masks: Masks, tgt: TargetOut,

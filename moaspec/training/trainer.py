@@ -61,6 +61,7 @@ from moaspec.training.distill import (
     step_matches,
 )
 from moaspec.training.features import FeatureStore, TargetOut
+from moaspec.training.losses import FEATURE_WEIGHT, KL_WEIGHT
 from moaspec.training.masks import staircase_probability
 
 
@@ -81,6 +82,8 @@ class TrainConfig:
     segment_long_max: int = 0  # with segment_long_fraction > 0: that share of segments is segment_max+1..this long
     segment_long_fraction: float = 0.0
     staircase: bool = True
+    kl_weight: float = KL_WEIGHT  # the paper's 0.1 · KL + 1.0 · SmoothL1 unless changed
+    feature_weight: float = FEATURE_WEIGHT
     val_fraction: float = 0.02
     val_batches: int = 8
     eval_every: int = 100
@@ -430,7 +433,8 @@ class Trainer:
                             cfg.segment_long_max, cfg.segment_long_fraction)
         tgt = self.target_features(batch)
         with self.acc.autocast():
-            out = drafter_loss(self.raw, self.target.model, batch, masks, tgt, wrapped=self.model)
+            out = drafter_loss(self.raw, self.target.model, batch, masks, tgt, wrapped=self.model,
+                               kl_weight=cfg.kl_weight, feature_weight=cfg.feature_weight)
         return out.loss.total, {"kl": float(out.loss.kl.detach()), "feature": float(out.loss.feature.detach()),
                                 "tokens": int(masks.loss.sum())}
 
@@ -514,7 +518,8 @@ class Trainer:
                                 self.acc.device)
             tgt = self.target_features(batch)
             with self.acc.autocast():
-                out = drafter_loss(raw, self.target.model, batch, masks, tgt)
+                out = drafter_loss(raw, self.target.model, batch, masks, tgt, kl_weight=cfg.kl_weight,
+                                   feature_weight=cfg.feature_weight)
             greedy = full_argmax(self.target.model, tgt.final[masks.loss.to(tgt.final.device)])
             accepted, segments = acceptance_by_offset(out.draft_logits, greedy, raw.to_target_ids, masks)
             matches = float((raw.to_target_ids(out.draft_logits.argmax(-1)) == greedy).sum())
