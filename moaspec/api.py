@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moaspec.chat import Message, chat_messages, encode_chat, encode_text
+from moaspec.chat import Message, chat_messages, encode_chat, encode_text, outside_vocabulary
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.sampling import SamplingParams
@@ -46,16 +46,24 @@ def _warn(message: str) -> None:
     warnings.warn(message + "; train one with `moaspec train` and pass its directory as drafter=", stacklevel=3)
 
 
-def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, chain: int = DEFAULT_CHAIN,
-                      tree: TreeShape | None = None, lookup: int | None = None,
-                      confidence: float = DEFAULT_CONFIDENCE, drafter_dtype: torch.dtype | None = None,
+def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, chain: int | None = None,
+                      tree: TreeShape | None = None, lookup: int | None = None, confidence: float | None = None,
+                      drafter_dtype: torch.dtype | None = None, tuned: bool = True,
                       notify: Callable[[str], None] = _warn) -> Strategy:
     """How ``target`` will decode: ``drafter``'s chains of ``chain`` drafts (or its ``tree``), with up to
-    ``lookup`` prompt-lookup drafts in front (default 10 with a drafter, 0 without one).
+    ``lookup`` prompt-lookup drafts in front.
+
+    With none of ``chain``, ``tree``, ``lookup`` and ``confidence`` given, a drafter decodes as
+    ``moaspec tune`` measured fastest on this machine (when ``tuned`` and a result for this target,
+    drafter, device and threads is saved: see :mod:`moaspec.tuned`), else with the built-in defaults
+    (chains of 2 after lookup 10). Without a drafter, ``lookup`` defaults to 0.
 
     A target for which no drafter ships decodes without one rather than failing: ``notify`` is told
     why (a warning by default), since output is the same and only speed differs.
     """
+    chosen = chain is not None or tree is not None or lookup is not None or confidence is not None
+    chain = DEFAULT_CHAIN if chain is None else chain
+    confidence = DEFAULT_CONFIDENCE if confidence is None else confidence
     if lookup is None:
         lookup = DEFAULT_LOOKUP if drafter is not None else 0
     if drafter is None:
@@ -72,8 +80,15 @@ def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, 
         path = Path(drafter)
     from moaspec.drafters import load_drafter
 
-    return Strategy(load_drafter(path, target, drafter_dtype), chain=chain, tree=tree, lookup=lookup,
-                    confidence=confidence)
+    loaded = load_drafter(path, target, drafter_dtype)
+    if tuned and not chosen:
+        from moaspec.tuned import load_tuned, machine_key
+
+        found = load_tuned(machine_key(target, path, loaded))
+        if found is not None:
+            best, source = found
+            return Strategy(loaded, chain=best.chain, tree=best.tree, lookup=best.lookup, tuned_from=str(source))
+    return Strategy(loaded, chain=chain, tree=tree, lookup=lookup, confidence=confidence)
 
 
 def encode_prompt(target: LoadedModel, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:
@@ -97,10 +112,9 @@ def encode_prompt(target: LoadedModel, prompt: Prompt, system: str | None = None
         ids = []
     if len(ids) != len(items):
         raise PromptError("a prompt is a string, a list of {'role', 'content'} messages, or a list of token ids")
-    vocab = target.cfg.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    bad = outside_vocabulary(ids, target.cfg.vocab_size)
     if bad is not None:
-        raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {target.cfg.vocab_size})")
     return ids
 
 

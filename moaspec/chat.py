@@ -62,6 +62,13 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
+def outside_vocabulary(ids: Sequence[int], vocab_size: int) -> int | None:
+    """The first token id not in ``[0, vocab_size)``, or None. Every entry point that takes token ids
+    (the Python API, the OpenAI server, client-server sessions) asks this before an embedding lookup
+    could fail deep inside the model; each reports it in its own error type."""
+    return next((t for t in ids if not 0 <= t < vocab_size), None)
+
+
 def check_fits(prompt_len: int, context: int) -> None:
     """A prompt must leave room for at least one generated token."""
     if prompt_len == 0:

@@ -109,10 +109,11 @@ def _probability(text: str) -> float:
     return p
 
 
-def _add_confidence_option(p: argparse.ArgumentParser) -> None:
+def _add_confidence_option(p: argparse.ArgumentParser, tunable: bool = False) -> None:
+    """``tunable``: left out, the option is None, so that the settings `moaspec tune` saved may apply."""
     from moaspec.decoding.speculative import DEFAULT_CONFIDENCE
 
-    p.add_argument("--draft-confidence", type=_probability, default=DEFAULT_CONFIDENCE, metavar="P",
+    p.add_argument("--draft-confidence", type=_probability, default=None if tunable else DEFAULT_CONFIDENCE, metavar="P",
                    help="end a chain early (chains only): drafts after the first only while the drafter gives them probability "
                         f">= P, so --chain is the most per forward (0: off; default {DEFAULT_CONFIDENCE:g})")
 
@@ -128,16 +129,41 @@ def _add_tree_options(p: argparse.ArgumentParser) -> None:
     from moaspec.decoding.tree import TreeShape
 
     d = TreeShape()
-    p.add_argument("--tree-depth", type=int, default=d.depth, help=f"tree levels below the newest token (default {d.depth})")
-    p.add_argument("--tree-top-k", type=int, default=d.top_k, help=f"nodes expanded per level and children per node (default {d.top_k})")
-    p.add_argument("--tree-total", type=int, default=d.total, help=f"tree nodes verified per target forward (default {d.total})")
+    p.add_argument("--tree-depth", type=int, default=None, help=f"tree levels below the newest token (default {d.depth})")
+    p.add_argument("--tree-top-k", type=int, default=None, help=f"nodes expanded per level and children per node (default {d.top_k})")
+    p.add_argument("--tree-total", type=int, default=None, help=f"tree nodes verified per target forward (default {d.total})")
+
+
+def _tree_knobs(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The tree ``--tree-depth``, ``--tree-top-k`` and ``--tree-total`` describe, the rest from the defaults."""
+    from moaspec.decoding.tree import TreeShape
+
+    d = TreeShape()
+    return TreeShape(d.depth if args.tree_depth is None else args.tree_depth,
+                     d.top_k if args.tree_top_k is None else args.tree_top_k,
+                     d.total if args.tree_total is None else args.tree_total)
 
 
 def _tree_shape(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The tree the options ask for (``--tree`` and its knobs), or None for chains."""
-    from moaspec.decoding.tree import TreeShape
+    if args.tree:
+        return _tree_knobs(args)
+    if any(getattr(args, k) is not None for k in ("tree_depth", "tree_top_k", "tree_total")):
+        raise MoaspecError("--tree-depth, --tree-top-k and --tree-total shape a tree: add --tree")
+    return None
 
-    return TreeShape(args.tree_depth, args.tree_top_k, args.tree_total) if args.tree else None
+
+def _add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """How ``generate`` and ``serve`` decode with a drafter; left out, what `moaspec tune` measured fastest here."""
+    p.add_argument("--chain", type=int, default=None, metavar="T",
+                   help=f"chain drafting: T drafts per target forward (default {_default_chain()}, measured best on the "
+                        "CPUs of BENCHMARKS.md, or what `moaspec tune` saved for this machine)")
+    _add_confidence_option(p, tunable=True)
+    p.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
+    _add_tree_options(p)
+    _add_lookup_option(p)
+    p.add_argument("--no-tuned", action="store_true",
+                   help="ignore the settings `moaspec tune` saved for this machine (used when no decoding option is given)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,12 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, tau, timings) instead of streaming")
     g.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the one shipped for the target)")
     g.add_argument("--no-draft", action="store_true", help="plain decoding, one target forward per token")
-    g.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
-                   help=f"chain drafting: T drafts per target forward (default {_default_chain()}, measured best here; see BENCHMARKS.md)")
-    _add_confidence_option(g)
-    g.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
-    _add_tree_options(g)
-    _add_lookup_option(g)
+    _add_decoding_options(g)
     g.add_argument("--show-drafts", action="store_true", help="colour the text that came from accepted drafts")
     _add_model_options(g)
     _add_drafter_dtype_option(g)
@@ -274,11 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another MoA drafter whose server half (LSA) serves client–server clients, e.g. one with "
                         "another --tli-layers (repeatable)")
     s.add_argument("--no-draft", action="store_true", help="plain decoding")
-    s.add_argument("--chain", type=int, default=_default_chain(), metavar="T", help="drafts per target forward (chain drafting)")
-    _add_confidence_option(s)
-    s.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
-    _add_tree_options(s)
-    _add_lookup_option(s)
+    _add_decoding_options(s)
     _add_model_options(s)
     _add_drafter_dtype_option(s)
 
@@ -374,6 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true")
     _add_model_options(b)
     _add_drafter_dtype_option(b)
+
+    u = sub.add_parser("tune", help="measure the fastest chain/tree/lookup setting on this machine and save it as the "
+                                    "default of generate, serve and moaspec.load")
+    u.add_argument("--drafter", default=None, help="the drafter to tune for (default: the one shipped for the target)")
+    u.add_argument("--questions", default=None,
+                   help="SpecBench-format .jsonl file or directory to time on (default: 12 built-in prompts of six kinds)")
+    u.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
+    u.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    u.add_argument("--output", default=None,
+                   help="run directory for answers, summary.json and plots (default: beside the saved setting, in the "
+                        "cache); an interrupted run resumes there")
+    u.add_argument("--no-save", action="store_true", help="measure and print, but save nothing")
+    u.add_argument("--no-progress", action="store_true")
+    _add_model_options(u)
+    _add_drafter_dtype_option(u)
     return parser
 
 
@@ -444,7 +476,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = strategy.run(loaded, ids, config, on_text=None if args.json else stream,
                           on_piece=coloured if args.show_drafts and not args.json else None)
     if args.json:
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        print(json.dumps({**result.to_dict(), "decoding": strategy.describe(), "tuned_from": strategy.tuned_from},
+                         ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         if result.finish_reason == "length" and result.new_tokens < config.max_new_tokens:
@@ -459,16 +492,15 @@ def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
 
     if args.lookup is not None and args.lookup < 0:
         raise MoaspecError("--lookup must be >= 0 (0: off)")
-    if args.chain < 1:
+    if args.chain is not None and args.chain < 1:
         raise MoaspecError("--chain must be >= 1")
 
     def notify(message: str) -> None:
         print(f"moaspec: {message} (train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
 
-    tree = _tree_shape(args)
-    return decoding_strategy(loaded, None if args.no_draft else args.drafter or SHIPPED, chain=args.chain, tree=tree,
-                             lookup=args.lookup, confidence=0.0 if tree is not None else args.draft_confidence,
-                             notify=notify)
+    return decoding_strategy(loaded, None if args.no_draft else args.drafter or SHIPPED, chain=args.chain,
+                             tree=_tree_shape(args), lookup=args.lookup, confidence=args.draft_confidence,
+                             tuned=not args.no_tuned, notify=notify)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -571,7 +603,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.methods import MethodOptions, build_methods
     from moaspec.bench.run import run_bench, table
     from moaspec.decoding import SamplingParams
-    from moaspec.decoding.tree import TreeShape
     from moaspec.specbench import check_first_turns_fit, load_questions
 
     names = _method_list(args.methods)
@@ -583,12 +614,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = MethodOptions(moa_drafter=args.drafter, eagle_drafter=args.eagle_drafter,
                          independent_drafter=args.independent_drafter, chain=args.chain, confidence=args.draft_confidence,
                          pld_tokens=args.lookup, sampling=sampling,
-                         tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total))
+                         tree=_tree_knobs(args))
     methods = build_methods(names, loaded, opts)
     summary = run_bench(loaded, questions, methods, args.max_new_tokens, Path(args.output), progress=not args.no_progress,
                         settings=_bench_settings(args, loaded), greedy=sampling.greedy)
     print(table(summary))
     print(f"answers, summary.json and plots in {args.output}")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moaspec.bench.tune import PROMPTS, grid, report, tune
+    from moaspec.drafters import load_drafter, shipped_drafter
+    from moaspec.specbench import check_first_turns_fit, load_questions
+    from moaspec.tuned import Decoding, machine_key, save_tuned, tuned_file
+
+    _require(args, ">= 1", _at_least(1), "max_new_tokens", "limit")
+    questions = load_questions(args.questions or PROMPTS, per_file=args.limit)
+    loaded = _load(args)
+    check_first_turns_fit(questions, loaded.tokenizer, loaded.cfg.max_position_embeddings)
+    path = args.drafter or shipped_drafter(loaded)
+    if path is None:
+        raise MoaspecError(f"no drafter ships for {loaded.path.name}: train one with `moaspec train` and pass --drafter")
+    drafter = load_drafter(path, loaded)
+    key = machine_key(loaded, path, drafter)
+    output = Path(args.output) if args.output else tuned_file(key).with_suffix("")
+    settings = grid(loaded.model.device.type)
+    print(f"moaspec tune: {len(settings)} settings and plain decoding on {len(questions)} prompts × "
+          f"{args.max_new_tokens} tokens ({key['device']}, {key['threads'] or 'GPU'} threads); run in {output}",
+          file=sys.stderr)
+    best, summary = tune(loaded, drafter, questions, args.max_new_tokens, output, settings,
+                         progress=not args.no_progress)
+    print(report(summary, best, Decoding()))
+    if args.no_save:
+        return 0
+    saved = save_tuned(key, best, {k: v["overall"] for k, v in summary["results"].items()})
+    print(f"saved to {saved}: `moaspec generate`, `serve` and moaspec.load() now decode with {best.name()} for this "
+          "target, drafter, device and thread count when no decoding option is given (--no-tuned, or deleting the "
+          "file, restores the built-in default)")
     return 0
 
 
@@ -629,7 +694,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
                      max_body_bytes=args.max_body_bytes, sessions=sessions)
     host, port = sock.getsockname()[:2]
-    print(f"moaspec: serving {name} ({engine.strategy.describe()}) on http://{host}:{port} — chat page at /, "
+    tuned = f", tuned in {engine.strategy.tuned_from}" if engine.strategy.tuned_from else ""
+    print(f"moaspec: serving {name} ({engine.strategy.describe()}{tuned}) on http://{host}:{port} — chat page at /, "
           f"OpenAI API at /v1{', key required' if api_key else ''}", file=sys.stderr, flush=True)
     run_server(app, sock, log_level=args.log_level)
     return 0
@@ -769,7 +835,6 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     from moaspec.clientserver.bench import run_bench_cs, table
     from moaspec.clientserver.netem import PROFILES
     from moaspec.decoding import SamplingParams
-    from moaspec.decoding.tree import TreeShape
     from moaspec.drafters import shipped_drafter
     from moaspec.drafters.eagle import EagleDrafter
     from moaspec.drafters.independent import IndependentDrafter
@@ -805,7 +870,7 @@ def cmd_bench_cs(args: argparse.Namespace) -> int:
     summary = run_bench_cs(loaded, drafters, questions, [PROFILES[p] for p in names], methods, args.max_new_tokens,
                            Path(args.output), chain=args.chain, confidence=args.draft_confidence, lookup=args.lookup,
                            fmt=args.state_format,
-                           tree=TreeShape(args.tree_depth, args.tree_top_k, args.tree_total),
+                           tree=_tree_knobs(args),
                            disconnect_after=args.disconnect_after,
                            continue_tokens=args.continue_tokens, port=args.port,
                            model_spec=args.model, drafter_path=str(path), more_moa=more, progress=not args.no_progress,
@@ -851,7 +916,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return load_model(args.model, device=args.device, dtype=dtype)
 
 
-COMMANDS = {"generate": cmd_generate, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "client": cmd_client,
+COMMANDS = {"generate": cmd_generate, "tune": cmd_tune, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "client": cmd_client,
             "export-client": cmd_export_client, "export-hf": cmd_export_hf, "bench": cmd_bench, "bench-cs": cmd_bench_cs}
 
 

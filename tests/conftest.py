@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_tiny_model  # noqa: E402
 
 torch.set_num_threads(2)
+# settings `moaspec tune` saved on this machine must not change what the tests decode with (CLI subprocesses inherit it)
+os.environ["MOASPEC_TUNED"] = tempfile.mkdtemp(prefix="moaspec-tuned-")
 
 
 @pytest.fixture(scope="session")

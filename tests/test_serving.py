@@ -158,6 +158,7 @@ def test_raw_http_errors(server: str) -> None:
         assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "token id 1000000000 is outside the vocabulary" in r.json()["error"]["message"]
         big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
         r = http.post("/v1/chat/completions", content=iter([big[:1000], big[1000:]]),  # chunked: no Content-Length
                       headers={"Content-Type": "application/json"})

@@ -66,7 +66,8 @@ def for_prompt(sampling: SamplingParams, prompt: Sequence[int]) -> SamplingParam
     return sampling if sampling.greedy else replace(sampling, seed=prompt_seed(sampling.seed, prompt))
 
 
-def _ours(target: LoadedModel, strategy: Strategy, sampling: SamplingParams) -> Method:
+def strategy_method(target: LoadedModel, strategy: Strategy, sampling: SamplingParams) -> Method:
+    """A benchmark method decoding with ``strategy`` (sampling seeded per prompt, see :func:`for_prompt`)."""
     def method(prompt: Sequence[int], max_new: int) -> GenerationResult:
         return strategy.run(target, prompt, GenerationConfig(max_new_tokens=max_new, sampling=for_prompt(sampling, prompt)))
     return method
@@ -150,7 +151,7 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
     hf = None
 
     def ours(strategy: Strategy) -> Method:
-        return _ours(target, strategy, opts.sampling)
+        return strategy_method(target, strategy, opts.sampling)
 
     for name in names:
         if name == "vanilla":

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from moaspec.chat import outside_vocabulary
 from moaspec.clientserver import codec
 from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.tree import DraftTree
@@ -136,10 +137,9 @@ class SessionStore:
             release_free_memory()
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        vocab = self.target.cfg.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        bad = outside_vocabulary(ids, self.target.cfg.vocab_size)
         if bad is not None:
-            raise SessionError(400, f"{what} holds token id {bad}, outside the vocabulary [0, {vocab})")
+            raise SessionError(400, f"{what} holds token id {bad}, outside the vocabulary [0, {self.target.cfg.vocab_size})")
 
     def _state_of(self, s: Session, start: int, end: int, hidden: torch.Tensor) -> dict[str, Any]:
         """The answer's ``state`` (and ``layers``) for the newly verified positions ``start..end-1``."""

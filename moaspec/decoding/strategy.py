@@ -37,6 +37,7 @@ class Strategy:
     lookup: int = 0
     lookup_min_ngram: int | None = None  # shortest lookup match that counts (None: LookupProposer's rule)
     confidence: float = 0.0  # a chain's drafts after the first need this draft probability (0: off)
+    tuned_from: str | None = None  # the `moaspec tune` result these settings came from, if any
 
     def __post_init__(self) -> None:
         if self.chain < 1:

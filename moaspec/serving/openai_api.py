@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from moaspec.chat import encode_chat, encode_text
+from moaspec.chat import encode_chat, encode_text, outside_vocabulary
 from moaspec.decoding.generation import GenerationConfig, GenerationResult
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.errors import MoaspecError
@@ -178,8 +178,9 @@ class OpenAIRoutes:
         vocab = self.engine.target.cfg.vocab_size
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             ids = list(req.prompt)  # type: ignore[arg-type]
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            bad = outside_vocabulary(ids, vocab)
+            if bad is not None:
+                raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         else:
             texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
             if len(texts) != 1:
