@@ -22,7 +22,6 @@ def moa_dir(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:  # typ
 
     from moaspec.drafters.checkpoint import save_drafter, target_identity
     from moaspec.drafters.moa import MoAConfig, MoADrafter
-
     from moaspec.models import load_model_dir
 
     target = load_model_dir(tiny_dirs["llama"], device="cpu")
