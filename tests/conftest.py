@@ -31,6 +31,17 @@ def tiny_llama(tiny_dirs: dict[str, Path]):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def tiny_moa_dir(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    """An untrained MoA drafter saved for ``tiny_llama``: decoding with it must still be lossless."""
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+    from moaspec.drafters.moa import MoAConfig, MoADrafter
+
+    torch.manual_seed(5)
+    return save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path_factory.mktemp("moa") / "moa",
+                        target_identity(tiny_llama))
+
+
+@pytest.fixture(scope="session")
 def real_model():  # type: ignore[no-untyped-def]
     """The default target (SmolLM2-135M-Instruct), loaded once per session."""
     from moaspec.models import load_model

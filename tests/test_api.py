@@ -16,22 +16,8 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def moa_dir(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
-    import torch
-
-    from moaspec.drafters.checkpoint import save_drafter, target_identity
-    from moaspec.drafters.moa import MoAConfig, MoADrafter
-    from moaspec.models import load_model_dir
-
-    target = load_model_dir(tiny_dirs["llama"], device="cpu")
-    torch.manual_seed(5)
-    return save_drafter(MoADrafter(MoAConfig.for_target(target.cfg)), tmp_path_factory.mktemp("api") / "moa",
-                        target_identity(target))
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_dirs, moa_dir) -> SpeculativeModel:  # type: ignore[no-untyped-def]
-    return moaspec.load(tiny_dirs["llama"], moa_dir, device="cpu")
+def lm(tiny_dirs, tiny_moa_dir) -> SpeculativeModel:  # type: ignore[no-untyped-def]
+    return moaspec.load(tiny_dirs["llama"], tiny_moa_dir, device="cpu")
 
 
 def test_importing_moaspec_does_not_load_torch() -> None:
@@ -43,9 +29,9 @@ def test_importing_moaspec_does_not_load_torch() -> None:
 
 @pytest.mark.parametrize("decoding", [{"chain": 1}, {"chain": 4, "lookup": 0}, {"tree": moaspec.TreeShape(2, 2, 5)},
                                       {"chain": 3, "confidence": 0.3}])
-def test_every_decoding_writes_what_the_target_alone_writes(lm, moa_dir, decoding) -> None:  # type: ignore[no-untyped-def]
+def test_every_decoding_writes_what_the_target_alone_writes(lm, tiny_moa_dir, decoding) -> None:  # type: ignore[no-untyped-def]
     plain = lm.with_decoding(None).generate(PROMPT, max_new_tokens=24)
-    spec = lm.with_decoding(moa_dir, **decoding)
+    spec = lm.with_decoding(tiny_moa_dir, **decoding)
     out = spec.generate(PROMPT, max_new_tokens=24)
     assert out.token_ids == plain.token_ids and out.text == plain.text
     assert spec.target is lm.target  # a new decoding, the same loaded weights
@@ -89,11 +75,11 @@ def test_bad_prompts_are_refused_with_a_clear_error(lm, prompt, kw, fragment) ->
         lm.generate(prompt, max_new_tokens=4, **kw)
 
 
-def test_bad_settings_are_refused(lm, moa_dir, tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+def test_bad_settings_are_refused(lm, tiny_moa_dir, tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(moaspec.MoaspecError, match="temperature"):
         lm.generate(PROMPT, temperature=-1)
     with pytest.raises(moaspec.MoaspecError, match="at least one draft"):
-        lm.with_decoding(moa_dir, chain=0)
+        lm.with_decoding(tiny_moa_dir, chain=0)
     with pytest.raises(moaspec.MoaspecError, match="threads"):
         moaspec.load(tiny_dirs["llama"], None, threads=0)
     with pytest.raises(moaspec.MoaspecError, match="does not exist"):

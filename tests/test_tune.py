@@ -16,20 +16,6 @@ from moaspec.specbench import load_questions
 from moaspec.tuned import Decoding, load_tuned, machine_key, save_tuned, tuned_file
 
 
-@pytest.fixture(scope="module")
-def moa_dir(tiny_dirs, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
-    import torch
-
-    from moaspec.drafters.checkpoint import save_drafter, target_identity
-    from moaspec.drafters.moa import MoAConfig, MoADrafter
-    from moaspec.models import load_model_dir
-
-    target = load_model_dir(tiny_dirs["llama"], device="cpu")
-    torch.manual_seed(6)
-    return save_drafter(MoADrafter(MoAConfig.for_target(target.cfg)), tmp_path_factory.mktemp("tune") / "moa",
-                        target_identity(target))
-
-
 @pytest.fixture()
 def tuned_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MOASPEC_TUNED", str(tmp_path / "tuned"))
@@ -53,28 +39,28 @@ def test_the_built_in_prompts_are_varied_and_fit_the_default_model() -> None:
     assert kinds == {"writing", "code", "math", "summary", "qa", "advice"}
 
 
-def test_a_saved_setting_applies_only_where_no_decoding_was_asked_for(tiny_llama, moa_dir, tuned_dir) -> None:  # type: ignore[no-untyped-def]
-    assert decoding_strategy(tiny_llama, moa_dir).tuned_from is None  # nothing saved yet: the built-in default
-    strategy = decoding_strategy(tiny_llama, moa_dir)
+def test_a_saved_setting_applies_only_where_no_decoding_was_asked_for(tiny_llama, tiny_moa_dir, tuned_dir) -> None:  # type: ignore[no-untyped-def]
+    assert decoding_strategy(tiny_llama, tiny_moa_dir).tuned_from is None  # nothing saved yet: the built-in default
+    strategy = decoding_strategy(tiny_llama, tiny_moa_dir)
     best = Decoding(tree=TreeShape(3, 2, 6), lookup=0)
-    saved = save_tuned(machine_key(tiny_llama, moa_dir, strategy.drafter), best, {})
+    saved = save_tuned(machine_key(tiny_llama, tiny_moa_dir, strategy.drafter), best, {})
     assert saved.parent == tuned_dir
-    tuned = decoding_strategy(tiny_llama, moa_dir)
+    tuned = decoding_strategy(tiny_llama, tiny_moa_dir)
     assert (tuned.tree, tuned.lookup, tuned.tuned_from) == (TreeShape(3, 2, 6), 0, str(saved))
     for asked in ({"chain": 2}, {"lookup": 10}, {"confidence": 0.0}, {"tree": TreeShape()}, {"tuned": False}):
-        assert decoding_strategy(tiny_llama, moa_dir, **asked).tuned_from is None, asked
+        assert decoding_strategy(tiny_llama, tiny_moa_dir, **asked).tuned_from is None, asked
     assert decoding_strategy(tiny_llama, None).describe() == "vanilla"  # no drafter: nothing to tune
-    weights = moa_dir / "model.safetensors"  # a new drafter file: the measurement no longer holds
+    weights = tiny_moa_dir / "model.safetensors"  # a new drafter file: the measurement no longer holds
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     try:
-        assert decoding_strategy(tiny_llama, moa_dir).tuned_from is None
+        assert decoding_strategy(tiny_llama, tiny_moa_dir).tuned_from is None
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-def test_an_unreadable_saved_setting_is_a_clear_error(tiny_llama, moa_dir, tuned_dir) -> None:  # type: ignore[no-untyped-def]
-    key = machine_key(tiny_llama, moa_dir, decoding_strategy(tiny_llama, moa_dir).drafter)
+def test_an_unreadable_saved_setting_is_a_clear_error(tiny_llama, tiny_moa_dir, tuned_dir) -> None:  # type: ignore[no-untyped-def]
+    key = machine_key(tiny_llama, tiny_moa_dir, decoding_strategy(tiny_llama, tiny_moa_dir).drafter)
     path = tuned_file(key)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
@@ -87,14 +73,14 @@ def test_an_unreadable_saved_setting_is_a_clear_error(tiny_llama, moa_dir, tuned
     assert load_tuned(key) is None  # written for another setting (by hand): ignored
 
 
-def test_tune_saves_the_fastest_setting_and_generate_then_decodes_with_it(tiny_dirs, moa_dir, tuned_dir, tmp_path,  # type: ignore[no-untyped-def]
+def test_tune_saves_the_fastest_setting_and_generate_then_decodes_with_it(tiny_dirs, tiny_moa_dir, tuned_dir, tmp_path,  # type: ignore[no-untyped-def]
                                                                           capsys) -> None:
     from moaspec.cli import main
 
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n"
                          for i, t in enumerate(["the cat sat on the mat", "one two three four"])))
-    model = ["--model", str(tiny_dirs["llama"]), "--drafter", str(moa_dir)]
+    model = ["--model", str(tiny_dirs["llama"]), "--drafter", str(tiny_moa_dir)]
     assert main(["tune", *model, "--questions", str(q), "--max-new-tokens", "12", "--no-progress",
                  "--output", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
