@@ -695,6 +695,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_body_bytes=args.max_body_bytes, sessions=sessions)
     host, port = sock.getsockname()[:2]
     tuned = f", tuned in {engine.strategy.tuned_from}" if engine.strategy.tuned_from else ""
+    asked = args.tree or any(getattr(args, k) is not None for k in ("chain", "lookup", "draft_confidence"))
+    if not (tuned or asked or args.no_tuned or engine.strategy.drafter is None) and loaded.model.device.type == "cpu":
+        # a setting saved by `moaspec tune` holds for one thread count, and each decoder here has its share of the cores
+        tuned = (f", the built-in default: `moaspec tune --threads {torch.get_num_threads()}` with the same model and "
+                 "drafter measures this machine's fastest for it")
     print(f"moaspec: serving {name} ({engine.strategy.describe()}{tuned}) on http://{host}:{port} — chat page at /, "
           f"OpenAI API at /v1{', key required' if api_key else ''}", file=sys.stderr, flush=True)
     run_server(app, sock, log_level=args.log_level)

@@ -122,3 +122,21 @@ def test_tune_and_tree_options_refuse_what_cannot_work(tiny_dirs, tmp_path, tune
     assert main(["generate", "hi", *model, "--tree-depth", "3"]) == 2
     assert "add --tree" in capsys.readouterr().err
     assert not tuned_dir.exists()
+
+
+def test_serve_names_its_tuned_setting_or_how_to_measure_one(tiny_dirs, tiny_moa_dir, tiny_llama, tuned_dir,  # type: ignore[no-untyped-def]
+                                                             monkeypatch, capsys) -> None:
+    """A server's decoders each get a share of the cores, so a setting tuned on all of them does not apply: say so."""
+    import moaspec.serving
+    from moaspec.cli import main
+
+    monkeypatch.setattr(moaspec.serving, "run_server", lambda app, sock, **kw: sock.close())
+    serve = ["serve", "--model", str(tiny_dirs["llama"]), "--drafter", str(tiny_moa_dir), "--port", "0", "--threads", "2"]
+    assert main(serve) == 0
+    assert "the built-in default: `moaspec tune --threads 2`" in capsys.readouterr().err
+    assert main([*serve, "--chain", "3"]) == 0
+    assert "moaspec tune" not in capsys.readouterr().err  # the decoding was asked for: nothing to tune
+    strategy = decoding_strategy(tiny_llama, tiny_moa_dir)
+    saved = save_tuned(machine_key(tiny_llama, tiny_moa_dir, strategy.drafter), Decoding(chain=1, tree=None, lookup=0), {})
+    assert main(serve) == 0
+    assert f"tuned in {saved}" in capsys.readouterr().err
