@@ -931,7 +931,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cap_kernel_caches()  # before torch runs anything: a long-running server's memory stays flat
     args = build_parser().parse_args(argv)
     try:
-        if args.command in ("bench", "bench-cs", "export-client", "export-hf"):  # data and train check their own
+        # data and train check their own; tune's default, in the cache, is made when it is needed
+        if args.command in ("bench", "bench-cs", "export-client", "export-hf", "tune") and args.output is not None:
             from moaspec.fileio import check_output_dir
 
             check_output_dir(args.output)

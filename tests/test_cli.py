@@ -309,10 +309,13 @@ def test_outputs_that_cannot_be_made_or_hold_other_files_are_refused_before_any_
     model = ["--model", str(tiny_dirs["llama"])]
     argvs = {"bench": ["bench", "--questions", str(q), "--methods", "vanilla", *model],
              "bench-cs": ["bench-cs", "--questions", str(q), *model], "data": ["data", *model],
-             "train": ["train", "--data", str(tmp_path), *model], "export-client": ["export-client", *model]}
+             "train": ["train", "--data", str(tmp_path), *model], "export-client": ["export-client", *model],
+             "tune": ["tune", "--questions", str(q), *model]}
     for argv in argvs.values():
         assert main([*argv, "--output", str(plain / "sub")]) == 2
         assert f"cannot create --output {plain / 'sub'}: {plain} is a file" in capsys.readouterr().err
+        assert main([*argv, "--output", str(plain)]) == 2
+        assert f"--output {plain} is a file" in capsys.readouterr().err
         if os.geteuid() != 0:  # root writes anywhere
             locked.chmod(0o500)
             assert main([*argv, "--output", str(locked / "new")]) == 2
