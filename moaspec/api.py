@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.errors import MoaspecError, PromptError
+from moaspec.validation import whole_number
 
 if TYPE_CHECKING:
     import torch
@@ -98,6 +99,9 @@ def encode_prompt(target: LoadedModel, prompt: Prompt, system: str | None = None
         if raw:
             return encode_text(target.tokenizer, prompt)
         return encode_chat(target.tokenizer, chat_messages(prompt, system))
+    if not isinstance(prompt, Iterable):
+        raise PromptError(f"a prompt is a string, a list of {{'role', 'content'}} messages, or a list of token ids; "
+                          f"got {type(prompt).__name__}")
     items = list(prompt)
     if not items:
         raise PromptError("the prompt is empty")
@@ -147,7 +151,7 @@ class SpeculativeModel:
         ids = encode_prompt(self.target, prompt, system, raw)
         config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=SamplingParams(temperature, top_k, top_p, seed),
-                                  stop=(stop,) if isinstance(stop, str) else tuple(stop))
+                                  stop=(stop,) if isinstance(stop, str) else stop)
         return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece)
 
     def __repr__(self) -> str:
@@ -155,7 +159,7 @@ class SpeculativeModel:
 
 
 def load(model: str | os.PathLike[str] | None = None, drafter: DrafterChoice = SHIPPED, *,
-         device: str | None = None, dtype: torch.dtype | None = None, threads: int | None = None,
+         device: str | None = None, dtype: torch.dtype | str | None = None, threads: int | None = None,
          **decoding: Any) -> SpeculativeModel:
     """Load a target (the default model, a ``.gguf`` file or a local Hugging Face directory) and its drafter.
 
@@ -169,9 +173,14 @@ def load(model: str | os.PathLike[str] | None = None, drafter: DrafterChoice = S
     from moaspec.models import load_model
 
     if threads is not None:
-        if threads < 1:
-            raise MoaspecError(f"threads must be >= 1, got {threads}")
+        if not (whole_number(threads) and threads >= 1):
+            raise MoaspecError(f"threads must be a whole number >= 1, got {threads!r}")
         torch.set_num_threads(threads)
+    if dtype is not None:
+        floats = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        dtype = floats.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if dtype not in floats.values():
+            raise MoaspecError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or its name), got {dtype!r}")
     cap_kernel_caches()
     target = load_model(None if model is None else os.fspath(model), device=device, dtype=dtype)
     return SpeculativeModel(target, decoding_strategy(target, drafter, **decoding))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import moaspec
 from moaspec.api import SpeculativeModel, decoding_strategy, encode_prompt
@@ -69,6 +70,8 @@ def test_streaming_stops_and_seeded_sampling(lm) -> None:  # type: ignore[no-unt
     ([{"role": "user", "content": "hi"}], {"system": "x"}, "applies to a single prompt string"),
     ([{"role": "user", "content": "hi"}], {"raw": True}, "applies to a single prompt string"),
     ([{"role": "bot", "content": "hi"}], {}, "message 0 must be an object"),
+    (None, {}, "a list of token ids; got NoneType"),
+    (42, {}, "a list of token ids; got int"),
 ])
 def test_bad_prompts_are_refused_with_a_clear_error(lm, prompt, kw, fragment) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(PromptError, match=fragment):
@@ -76,12 +79,22 @@ def test_bad_prompts_are_refused_with_a_clear_error(lm, prompt, kw, fragment) ->
 
 
 def test_bad_settings_are_refused(lm, tiny_moa_dir, tiny_dirs) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(moaspec.MoaspecError, match="temperature"):
-        lm.generate(PROMPT, temperature=-1)
-    with pytest.raises(moaspec.MoaspecError, match="at least one draft"):
-        lm.with_decoding(tiny_moa_dir, chain=0)
+    """Values out of range, and values of the wrong type (a caller's typo, not a traceback from deep inside)."""
+    for bad, fragment in [({"temperature": -1}, "temperature"), ({"temperature": "0.7"}, "temperature"),
+                          ({"top_k": 2.5}, "top_k"), ({"top_p": None}, "top_p"), ({"seed": "7"}, "seed"),
+                          ({"max_new_tokens": True}, "max_new_tokens"), ({"stop": 5}, "stop must be a list"),
+                          ({"stop": ["ok", 3]}, "stop must be a list")]:
+        with pytest.raises(moaspec.MoaspecError, match=fragment):
+            lm.generate(PROMPT, **{"max_new_tokens": 4, **bad})
+    for bad, fragment in [({"chain": 0}, "whole number >= 1 of drafts"), ({"chain": "3"}, "whole number >= 1 of drafts"),
+                          ({"lookup": 1.5}, "lookup drafts"), ({"tree": (2, 2, 4)}, "a tree is a TreeShape")]:
+        with pytest.raises(moaspec.MoaspecError, match=fragment):
+            lm.with_decoding(tiny_moa_dir, **bad)
     with pytest.raises(moaspec.MoaspecError, match="threads"):
         moaspec.load(tiny_dirs["llama"], None, threads=0)
+    with pytest.raises(moaspec.MoaspecError, match="dtype must be"):
+        moaspec.load(tiny_dirs["llama"], None, dtype="int8")
+    assert moaspec.load(tiny_dirs["llama"], None, dtype="bfloat16").target.model.dtype == torch.bfloat16
     with pytest.raises(moaspec.MoaspecError, match="does not exist"):
         moaspec.load(tiny_dirs["llama"] / "missing", None)
 

@@ -573,7 +573,7 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         assert main([*args, "--drafter", str(path), *hot]) == 0
         assert jsonlib.loads(capsys.readouterr().out)["text"] == sampled["text"] and sampled["new_tokens"] == 12
         assert main([*args, "--drafter", str(path), "--temperature", "0.8", "--seed", "-1", "hi"]) == 2
-        assert "seed must be in" in capsys.readouterr().err
+        assert "seed must be a whole number in" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--lookup", "-1", "hi"]) == 2
         assert "--lookup" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--network", "3g", "hi"]) == 2

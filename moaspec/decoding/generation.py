@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.errors import MoaspecError
+from moaspec.validation import whole_number
 
 TextCallback = Callable[[str], None]
 PieceCallback = Callable[[str, bool], None]  # (text, whether it came from accepted drafts)
@@ -23,8 +24,10 @@ class GenerationConfig:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise MoaspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (whole_number(self.max_new_tokens) and self.max_new_tokens >= 1):
+            raise MoaspecError(f"max_new_tokens must be a whole number >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise MoaspecError(f"stop must be a list or tuple of strings, got {self.stop!r}")
 
 
 @dataclass

@@ -9,12 +9,12 @@ acceptance code serve both modes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from moaspec.errors import MoaspecError
+from moaspec.validation import real_number, whole_number
 
 
 @dataclass(frozen=True)
@@ -27,14 +27,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise MoaspecError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise MoaspecError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise MoaspecError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise MoaspecError(f"seed must be in 0..2**63-1, got {self.seed}")
+        if not (real_number(self.temperature) and self.temperature >= 0):
+            raise MoaspecError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (whole_number(self.top_k) and self.top_k >= 0):
+            raise MoaspecError(f"top_k must be a whole number >= 0 (0 disables it), got {self.top_k!r}")
+        if not (real_number(self.top_p) and 0 < self.top_p <= 1):
+            raise MoaspecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (whole_number(self.seed) and 0 <= self.seed < 2**63):
+            raise MoaspecError(f"seed must be a whole number in 0..2**63-1, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

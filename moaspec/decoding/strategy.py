@@ -18,6 +18,7 @@ from moaspec.decoding.speculative import DEFAULT_CHAIN, generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.decoding.vanilla import generate
 from moaspec.errors import MoaspecError
+from moaspec.validation import whole_number
 
 if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
@@ -40,10 +41,12 @@ class Strategy:
     tuned_from: str | None = None  # the `moaspec tune` result these settings came from, if any
 
     def __post_init__(self) -> None:
-        if self.chain < 1:
-            raise MoaspecError(f"a chain needs at least one draft, got {self.chain}")
-        if self.lookup < 0:
-            raise MoaspecError(f"lookup drafts must be >= 0 (0 disables lookup), got {self.lookup}")
+        if not (whole_number(self.chain) and self.chain >= 1):
+            raise MoaspecError(f"a chain needs a whole number >= 1 of drafts, got {self.chain!r}")
+        if not (whole_number(self.lookup) and self.lookup >= 0):
+            raise MoaspecError(f"lookup drafts must be a whole number >= 0 (0 disables lookup), got {self.lookup!r}")
+        if self.tree is not None and not isinstance(self.tree, TreeShape):
+            raise MoaspecError(f"a tree is a TreeShape(depth, top_k, total), got {self.tree!r}")
         if self.lookup and self.tree is not None and self.drafter is None:
             raise MoaspecError("prompt lookup adds to a drafter's tree; without a drafter it drafts chains")
         check_confidence(self.confidence)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar, get_type_hints
 
@@ -19,6 +18,7 @@ from torch import nn
 from moaspec.models.config import ModelConfig
 from moaspec.models.packed_linear import Linear, pack_linears
 from moaspec.models.transformer import Transformer, rope_tables
+from moaspec.validation import real_number, whole_number
 
 C = TypeVar("C", bound="DrafterConfig")
 
@@ -67,9 +67,9 @@ class DrafterConfig:
                 ok, want = isinstance(value, bool), "true or false"
             elif kind is int:
                 low = 0 if name in cls.MAY_BE_ZERO else 1
-                ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= low, f"a whole number >= {low}"
+                ok, want = whole_number(value) and value >= low, f"a whole number >= {low}"
             elif kind is float:
-                ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+                ok = real_number(value) and value >= 0
                 want = "a finite number >= 0"
             else:
                 ok, want = isinstance(value, kind), kind.__name__

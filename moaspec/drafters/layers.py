@@ -20,6 +20,7 @@ from torch import nn
 from moaspec.errors import MoaspecError
 from moaspec.models.packed_linear import Linear
 from moaspec.models.transformer import apply_rope, rms_norm
+from moaspec.validation import whole_number
 
 
 def check_widths(sizes: Mapping[str, Any], *names: str) -> None:
@@ -30,7 +31,7 @@ def check_widths(sizes: Mapping[str, Any], *names: str) -> None:
     """
     for name in names:
         width = sizes.get(name)
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+        if width is not None and not (whole_number(width) and width >= 1):
             raise MoaspecError(f"--{name.replace('_', '-')} must be a whole number >= 1, got {width!r}")
 
 
