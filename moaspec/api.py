@@ -47,6 +47,11 @@ def _warn(message: str) -> None:
     warnings.warn(message + "; train one with `moaspec train` and pass its directory as drafter=", stacklevel=3)
 
 
+def decoding_given(chain: int | None, tree: TreeShape | None, lookup: int | None, confidence: float | None) -> bool:
+    """Whether any decoding option was given: without one, a drafter decodes as ``moaspec tune`` saved."""
+    return chain is not None or tree is not None or lookup is not None or confidence is not None
+
+
 def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, chain: int | None = None,
                       tree: TreeShape | None = None, lookup: int | None = None, confidence: float | None = None,
                       drafter_dtype: torch.dtype | None = None, tuned: bool = True,
@@ -62,7 +67,7 @@ def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, 
     A target for which no drafter ships decodes without one rather than failing: ``notify`` is told
     why (a warning by default), since output is the same and only speed differs.
     """
-    chosen = chain is not None or tree is not None or lookup is not None or confidence is not None
+    chosen = decoding_given(chain, tree, lookup, confidence)
     chain = DEFAULT_CHAIN if chain is None else chain
     confidence = DEFAULT_CONFIDENCE if confidence is None else confidence
     if lookup is None:
@@ -176,11 +181,6 @@ def load(model: str | os.PathLike[str] | None = None, drafter: DrafterChoice = S
         if not (whole_number(threads) and threads >= 1):
             raise MoaspecError(f"threads must be a whole number >= 1, got {threads!r}")
         torch.set_num_threads(threads)
-    if dtype is not None:
-        floats = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        dtype = floats.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        if dtype not in floats.values():
-            raise MoaspecError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or its name), got {dtype!r}")
     cap_kernel_caches()
     target = load_model(None if model is None else os.fspath(model), device=device, dtype=dtype)
     return SpeculativeModel(target, decoding_strategy(target, drafter, **decoding))

@@ -57,10 +57,12 @@ def _lsa_width(text: str) -> int | str:
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
+    from moaspec.drafters.checkpoint import DTYPE_CHOICES
+
     p.add_argument("--model", default=None, help="model: 'smollm2' (default, embedded), a .gguf file, or a local HF model directory")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="the target's weights and activations (default: float32 on every device, where greedy "
                         "speculative output equals vanilla's token for token; bfloat16/float16 are faster on GPUs but "
                         "round a verification differently from one-token steps, so answers can part at near-ties)")
@@ -662,6 +664,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import torch
 
+    from moaspec.api import decoding_given
     from moaspec.serving import Engine, create_app, listen, run_server
 
     _require(args, ">= 1", _at_least(1), "parallel", "default_max_tokens", "max_body_bytes", "max_sessions", "max_draft")
@@ -695,7 +698,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_body_bytes=args.max_body_bytes, sessions=sessions)
     host, port = sock.getsockname()[:2]
     tuned = f", tuned in {engine.strategy.tuned_from}" if engine.strategy.tuned_from else ""
-    asked = args.tree or any(getattr(args, k) is not None for k in ("chain", "lookup", "draft_confidence"))
+    asked = decoding_given(args.chain, _tree_shape(args), args.lookup, args.draft_confidence)
     if not (tuned or asked or args.no_tuned or engine.strategy.drafter is None) and loaded.model.device.type == "cpu":
         # a setting saved by `moaspec tune` holds for one thread count, and each decoder here has its share of the cores
         tuned = (f", the built-in default: `moaspec tune --threads {torch.get_num_threads()}` with the same model and "
@@ -917,8 +920,7 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         from moaspec.drafters.checkpoint import DTYPE_VARIABLE
 
         os.environ[DTYPE_VARIABLE] = args.drafter_dtype
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    return load_model(args.model, device=args.device, dtype=dtype)
+    return load_model(args.model, device=args.device, dtype=args.dtype)
 
 
 COMMANDS = {"generate": cmd_generate, "tune": cmd_tune, "data": cmd_data, "train": cmd_train, "serve": cmd_serve, "client": cmd_client,

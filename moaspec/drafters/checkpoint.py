@@ -24,7 +24,7 @@ from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_dir
-from moaspec.models.loading import LoadedModel
+from moaspec.models.loading import FLOAT_DTYPES, LoadedModel
 from moaspec.models.packed_linear import bf16_kernels
 
 FORMAT = "moaspec-drafter"
@@ -105,7 +105,7 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
 
 
 DTYPE_VARIABLE = "MOASPEC_DRAFTER_DTYPE"  # what `--drafter-dtype` sets; processes it starts (servers) inherit it
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)
 
 
 def drafting_dtype(target: LoadedModel) -> torch.dtype:
@@ -122,7 +122,7 @@ def drafting_dtype(target: LoadedModel) -> torch.dtype:
     if choice not in DTYPE_CHOICES:
         raise MoaspecError(f"{DTYPE_VARIABLE}={choice!r}: expected one of {', '.join(DTYPE_CHOICES)}")
     if choice != "auto":
-        return getattr(torch, choice)
+        return FLOAT_DTYPES[choice]
     model = target.model
     if model.device.type == "cpu" and model.dtype == torch.float32 and bf16_kernels():
         return torch.bfloat16

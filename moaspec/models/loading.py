@@ -70,6 +70,18 @@ def usable_device(device: torch.device | str | None) -> torch.device:
 # GPUs), not the default. Drafters, whose precision never changes the text, draft in bf16 where a CPU has bf16
 # kernels (``drafting_dtype``).
 DEFAULT_DTYPE = torch.float32
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # what the runtime runs
+
+
+def usable_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """``dtype`` or its name (default, or "auto": :data:`DEFAULT_DTYPE`), refused with a clear message unless the
+    runtime runs in it."""
+    if dtype is None or dtype == "auto":
+        return DEFAULT_DTYPE
+    resolved = FLOAT_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in FLOAT_DTYPES.values():
+        raise ModelLoadError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or its name), got {dtype!r}")
+    return resolved
 
 
 def read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -240,7 +252,7 @@ def load_tokenizer(path: Path) -> object:
 
 
 def load_model_dir(
-    path: Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    path: Path, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
     with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a local HF model directory (config.json + safetensors + tokenizer)."""
@@ -251,7 +263,7 @@ def load_model_dir(
         raise ModelLoadError(f"model path {path} is not a directory")
     cfg = ModelConfig.from_model_dir(path)
     device = usable_device(device)
-    dtype = dtype or DEFAULT_DTYPE
+    dtype = usable_dtype(dtype)
     model = build_transformer(cfg, read_hf_state_dict(path), device, dtype)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, cfg=cfg, path=path)
