@@ -817,3 +817,39 @@ def test_a_damaged_bundle_names_its_file(client_bundle, tmp_path, name, damage) 
     with pytest.raises(MoaspecError, match="is damaged .*: export the client bundle again") as error:
         load_bundle(bundle)
     assert str(error.value).startswith(str(bundle / name)) and "\n" not in str(error.value)
+
+
+def test_a_tli_client_of_a_qwen3_target_with_scaled_rope_runs_from_its_bundle(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The bundle keeps what the client's copy of the last block needs besides its weights (the query/key norms,
+    the RoPE scaling in its config): the split decoding gives the target's greedy output."""
+    import json as jsonlib
+
+    from moaspec.chat import chat_messages, encode_chat
+    from moaspec.cli import main
+    from moaspec.clientserver.bundle import load_bundle
+    from moaspec.drafters.checkpoint import load_drafter, save_drafter, target_identity
+    from moaspec.models import load_model_dir
+    from test_runtime import VARIANTS
+    from tiny import make_tiny_model
+
+    family, overrides = VARIANTS["qwen3-rope-yarn"]
+    model_dir = make_tiny_model(tmp_path / "qwen3", family, **overrides)
+    target = load_model_dir(model_dir, device="cpu")
+    torch.manual_seed(8)
+    path = save_drafter(MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=1)), tmp_path / "moa", target_identity(target))
+    bundle = tmp_path / "bundle"
+    assert main(["export-client", "--model", str(model_dir), "--drafter", str(path), "--output", str(bundle)]) == 0
+    capsys.readouterr()
+    client_side = load_bundle(bundle).model
+    assert client_side.cfg == target.cfg
+    torch.testing.assert_close(client_side.rope_cos, target.model.rope_cos)
+    last = target.model.blocks[-1].state_dict()
+    for name, weight in client_side.blocks[0].state_dict().items():  # the last block (in fp16), norms included
+        torch.testing.assert_close(weight, last[name].half().float(), msg=name)
+    assert {"attn.q_norm", "attn.k_norm"} <= set(last)
+    with running(make_app(target, load_drafter(path, target))) as url:
+        assert main(["client", "--server", url, "--api-key", KEY, "--bundle", str(bundle), "--max-new-tokens", "24",
+                     "--json", "The quick brown fox"]) == 0
+    out = jsonlib.loads(capsys.readouterr().out)
+    ids = encode_chat(target.tokenizer, chat_messages("The quick brown fox"))
+    assert out["text"] == generate(target.model, target.tokenizer, ids, GenerationConfig(max_new_tokens=24)).text

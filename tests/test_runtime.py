@@ -287,3 +287,101 @@ def test_kernel_timing_forward_runs_whole_and_partial_models(pairs, first_block:
     for rows in (1, 2, 3):
         run(rows)
     assert calls == [1, 2, 3]
+
+
+# Architectures beyond the three families above: Qwen3's per-head query/key norms (with a head width
+# other than hidden / heads), and the RoPE scalings of Llama 3.1 and long-context checkpoints.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+VARIANTS = {
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "qwen2-rope-yarn": ("qwen2", {"rope_scaling": YARN_ROPE}),
+    "qwen3-rope-yarn": ("qwen3", {"head_dim": 16, "rope_scaling": {**YARN_ROPE, "beta_fast": 16.0, "attention_factor": 1.3}}),
+}
+
+
+@pytest.fixture(scope="module")
+def variant_dirs(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("variants")
+    return {name: make_tiny_model(root / name, fam, seed=i, **kw) for i, (name, (fam, kw)) in enumerate(VARIANTS.items())}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_other_architectures_match_transformers(variant_dirs, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Logits past the original context (where the scalings differ from plain RoPE), in one shot and
+    token by token from a cache, and every layer's cached K/V, equal transformers' own forward."""
+    from transformers import AutoModelForCausalLM
+
+    from moaspec.models.transformer import rope_tables
+
+    ours = load_model_dir(variant_dirs[name], device="cpu", with_tokenizer=False).model
+    hf = AutoModelForCausalLM.from_pretrained(str(variant_dirs[name]), dtype=torch.float32).eval()
+    cfg = ours.cfg
+    assert (cfg.qk_norm, cfg.rope_scaling is not None) == (name.startswith("qwen3"), "rope" in name)
+    if cfg.rope_scaling:  # the scaling is applied, not ignored
+        assert not torch.allclose(ours.rope_cos, rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)[0])
+    ids = torch.randint(0, cfg.vocab_size, (1, 150), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = hf(ids, use_cache=True)
+    torch.testing.assert_close(ours(ids, ours.new_cache(256)).logits, ref.logits, atol=1e-4, rtol=0)
+    cache = ours.new_cache(256)
+    pieces = [ours(ids[:, :120], cache).logits] + [ours(ids[:, i:i + 1], cache).logits for i in range(120, 150)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), ref.logits, atol=1e-4, rtol=0)
+    kv = cache.token_kv(0, 150)
+    for layer in range(cfg.num_layers):
+        k_ref, v_ref = ref.past_key_values.layers[layer].keys, ref.past_key_values.layers[layer].values
+        torch.testing.assert_close(kv[0, :, layer], torch.cat([k_ref, v_ref], dim=1)[0].permute(1, 0, 2).reshape(150, -1),
+                                   atol=1e-4, rtol=0)
+
+
+def test_unrotated_keys_undo_yarn_and_keep_qwen3_key_norms(variant_dirs) -> None:  # type: ignore[no-untyped-def]
+    """What Layer Self-Attention reads with ``derotate_keys``: a layer's keys as before RoPE (after Qwen3's key
+    norm), YaRN's scale on cos/sin undone too."""
+    from moaspec.models.transformer import rms_norm
+
+    target = load_model_dir(variant_dirs["qwen3-rope-yarn"], device="cpu", with_tokenizer=False).model
+    cfg, attn = target.cfg, target.blocks[0].attn
+    tokens = torch.randint(0, cfg.vocab_size, (1, 90), generator=torch.Generator().manual_seed(10))
+    cache = target.new_cache(90)
+    target(tokens, cache)
+    q_dim, kvd = cfg.num_heads * cfg.head_dim, cfg.kv_dim
+    keys = attn.qkv(rms_norm(target.embed(tokens), target.blocks[0].attn_norm, cfg.rms_norm_eps))[..., q_dim:q_dim + kvd]
+    expected = rms_norm(keys.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim)), attn.k_norm, cfg.rms_norm_eps).flatten(-2)
+    derotated = target.unrotated_keys(cache.token_kv(0, 90), torch.arange(90))
+    torch.testing.assert_close(derotated[:, :, 0, :kvd], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "unsupported RoPE scaling 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "unsupported RoPE scaling 'longrope'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks 'low_freq_factor', 'high_freq_factor'"),
+    ({"partial_rotary_factor": 0.5}, "partial rotary embeddings"),
+    ({"mlp_bias": True}, "MLP biases"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "mixing sliding-window and full-attention layers"),
+])
+def test_configs_the_runtime_cannot_reproduce_are_refused(change: dict, message: str) -> None:  # type: ignore[type-arg]
+    from moaspec.errors import ModelLoadError
+    from moaspec.models.config import ModelConfig
+
+    raw = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 2, **change}
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_fields_added_later_leave_older_models_fingerprints_alone() -> None:
+    """A drafter records its target's fingerprint, a hash of ``to_dict``: fields added after drafters shipped
+    must not appear there at their defaults, or every shipped drafter would stop matching its target."""
+    from moaspec.models.config import ModelConfig
+
+    raw = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 2}
+    assert not {"rope_scaling", "qk_norm"} & set(ModelConfig.from_hf_dict(raw).to_dict())
+    scaled = ModelConfig.from_hf_dict({**raw, "model_type": "qwen3", "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert scaled.to_dict()["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and scaled.to_dict()["qk_norm"]
+    assert ModelConfig.from_dict(scaled.to_dict()) == scaled  # as a client bundle rebuilds it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import shutil
@@ -577,3 +578,26 @@ def test_gpu_distillation_script_runs_end_to_end(tiny_dirs, tiny_llama, tiny_dat
     proc = subprocess.run(["bash", script, str(tmp_path / "other")], env={**env, "DRAFTERS": "moa nope"},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "unknown drafter nope" in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["moa", "eagle", "independent"])
+def test_drafters_train_for_a_qwen3_target_with_scaled_rope(tmp_path: Path, kind: str) -> None:
+    """A target whose blocks have query/key norms and whose RoPE is YaRN-scaled: its data, a few updates of each
+    drafter (MoA through one reused target layer; the Llama-shaped independent drafter starts from the target's
+    first block without those norms), and the saved drafter loads against it."""
+    from moaspec.drafters.checkpoint import load_drafter
+    from moaspec.models import load_model_dir
+    from test_runtime import VARIANTS
+    from tiny import make_tiny_model
+
+    family, overrides = VARIANTS["qwen3-rope-yarn"]
+    target = load_model_dir(make_tiny_model(tmp_path / "qwen3", family, **overrides), device="cpu")
+    with accepting_gibberish():
+        generate_dataset(target, tmp_path / "data", DataConfig(examples=16, shard_size=16, batch_size=16, max_query_tokens=16,
+                                                               max_answer_tokens=32), progress=False)
+    config = small(kind=kind, steps=6, eval_every=6, save_every=6, val_fraction=0.25, tli_layers=int(kind == "moa"))
+    sizes = {"layers": 1} if kind == "independent" else None
+    summary = Trainer(target, tmp_path / "data", tmp_path / "run", config, sizes, progress=False).train()
+    assert summary["steps"] == 6
+    assert all(math.isfinite(float(r["loss"])) for r in read_log(tmp_path / "run" / "train_log.csv"))
+    load_drafter(tmp_path / "run" / "drafter", target)

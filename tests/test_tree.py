@@ -108,3 +108,35 @@ def test_verify_tree_sampling_draws_from_the_target(seed: int) -> None:
             second[seq[1]] += 1
     assert chi_square_p(first, p[0]) > 1e-3
     assert chi_square_p(second, p[1]) > 1e-3  # after token 4 (node 1), the target's row 1
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama-rope-llama3", "qwen3-rope-yarn"])
+def other_architecture(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    from moaspec.models import load_model_dir
+    from test_runtime import VARIANTS
+    from tiny import make_tiny_model
+
+    family, overrides = VARIANTS[request.param]
+    return load_model_dir(make_tiny_model(tmp_path_factory.mktemp("arch") / request.param, family, **overrides), device="cpu")
+
+
+@pytest.mark.parametrize("kind", ["moa", "moa-tli1", "moa-derot", "eagle", "independent"])
+def test_greedy_drafting_is_lossless_on_other_architectures(other_architecture, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3 (query/key norms, also in the blocks Target Layer Inference reuses) and scaled RoPE (also undone
+    for derotated keys): chains and trees give the target's greedy output, which is transformers' own."""
+    from moaspec.decoding.speculative import generate_chain
+    from test_vanilla import hf_greedy
+
+    loaded = other_architecture
+    model, tok = loaded.model, loaded.tokenizer
+    cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    make = {"moa": lambda: moa_proposer(loaded), "moa-tli1": lambda: moa_proposer(loaded, tli=1),
+            "moa-derot": lambda: moa_proposer(loaded, derotate=True), "eagle": lambda: eagle_proposer(loaded, vocab=100),
+            "independent": lambda: independent_proposer(loaded, vocab=100)}[kind]
+    for prompt in PROMPTS:
+        want = generate(model, tok, prompt, cfg)
+        assert generate_chain(model, tok, make(), prompt, cfg, draft_len=4).token_ids == want.token_ids
+        assert generate_tree(model, tok, make(), prompt, cfg, TreeShape(3, 2, 8)).token_ids == want.token_ids
+    if kind == "moa":
+        prompt = PROMPTS[1]
+        assert generate(model, tok, prompt, GenerationConfig(max_new_tokens=40)).token_ids == hf_greedy(loaded.path, prompt, 40)

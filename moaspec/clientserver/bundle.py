@@ -76,9 +76,7 @@ def load_bundle(path: str | Path, device: str | None = None) -> LoadedModel:
         raise MoaspecError(f"{path} holds a client bundle of format {info.get('format')!r}; this moaspec reads {FORMAT}: "
                            "export it again with `moaspec export-client`")
     try:  # a bundle of the right format whose fields are missing or mistyped was edited or cut short
-        raw = dict(info["config"])
-        raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
-        cfg = ModelConfig(**raw)
+        cfg = ModelConfig.from_dict(info["config"])
         layers, fingerprint = int(info.get("target_layers", 0)), str(info["fingerprint"])
     except (KeyError, TypeError, ValueError) as exc:
         raise _damaged(path / "bundle.json", f"{type(exc).__name__}: {exc}") from None

@@ -63,12 +63,18 @@ class IndependentDrafter(Drafter):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def copy_target_layers(self, target: Transformer) -> None:
-        """Start from the target's first ``layers`` blocks and its final norm (the shapes must agree)."""
+        """Start from the target's first ``layers`` blocks and its final norm (the shapes must agree).
+
+        The drafter is Llama-shaped (so that ``export-hf`` writes a model any runtime loads): what
+        other families add to a block, Qwen2's q/k/v biases and Qwen3's query/key norms, is left out
+        of the copy, a warm start that training then adapts.
+        """
         if self.cfg.mlp != target.cfg.intermediate_size:
             raise ValueError(f"the target's blocks have MLP width {target.cfg.intermediate_size}, not {self.cfg.mlp}")
         with torch.no_grad():
             for mine, theirs in zip(self.blocks, target.blocks):
-                mine.load_state_dict({k: v.float() for k, v in theirs.state_dict().items()})
+                own = mine.state_dict()
+                mine.load_state_dict({k: v.float() for k, v in theirs.state_dict().items() if k in own})
             self.norm.copy_(target.norm.float())
 
     def new_cache(self, capacity: int, batch_size: int = 1) -> KVCache:

@@ -1,8 +1,11 @@
 """The architecture facts the runtime needs, read from a Hugging Face ``config.json``.
 
 Only decoder-only families whose blocks are (RMSNorm → GQA attention with RoPE →
-RMSNorm → SwiGLU MLP) are accepted: Llama, Qwen2 and Mistral. They differ only in
-q/k/v biases (Qwen2, detected from the weights) and a sliding window (Mistral).
+RMSNorm → SwiGLU MLP) are accepted: Llama (1 to 3.3), Qwen2 (and 2.5), Qwen3 and Mistral.
+They differ only in q/k/v biases (Qwen2, detected from the weights), RMSNorm on each
+head's queries and keys (Qwen3), a sliding window (Mistral), and RoPE frequency scaling
+(Llama 3.1's ``llama3``, ``linear``, ``yarn``: all fixed tables, so a verified token's
+rotation never depends on how long the sequence has grown).
 """
 
 from __future__ import annotations
@@ -14,7 +17,17 @@ from typing import Any
 
 from moaspec.errors import ModelLoadError
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# RoPE scalings that give every position a fixed rotation; "dynamic" NTK and "longrope" change
+# the rotations with the sequence's length, which a cache of already rotated keys cannot follow
+SUPPORTED_ROPE_SCALINGS = ("linear", "llama3", "yarn")
+# the parameters each scaling reads (besides its type), with the defaults transformers gives them
+ROPE_SCALING_KEYS: dict[str, dict[str, float | bool | None]] = {
+    "linear": {"factor": None},
+    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None, "original_max_position_embeddings": None},
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "attention_factor": None, "beta_fast": 32.0,
+             "beta_slow": 1.0, "mscale": None, "mscale_all_dim": None, "truncate": True},
+}
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,10 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # added after drafters had been shipped: left out of to_dict at their defaults, so that the
+    # fingerprints of models without them (which hash to_dict) stay what they were
+    rope_scaling: dict[str, Any] | None = None
+    qk_norm: bool = False
 
     @property
     def kv_dim(self) -> int:
@@ -45,7 +62,15 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        for name, default in (("rope_scaling", None), ("qk_norm", False)):
+            if d[name] == default:
+                del d[name]
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """The inverse of :meth:`to_dict` (a client bundle's ``bundle.json`` holds it)."""
+        return cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ()))})
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -58,10 +83,11 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"unsupported activation {act!r}: only SwiGLU (silu) MLPs are supported")
+        if raw.get("mlp_bias"):
+            raise ModelLoadError("MLP biases (mlp_bias) are not supported")
+        if len(set(raw.get("layer_types") or ["full_attention"])) > 1:
+            raise ModelLoadError("models mixing sliding-window and full-attention layers are not supported")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ModelLoadError(f"unsupported RoPE scaling {rope_type!r}: only plain RoPE is supported")
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
@@ -84,6 +110,8 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rope_scaling=rope_scaling(rope, raw),
+            qk_norm=family == "qwen3",
         )
 
     @classmethod
@@ -99,3 +127,30 @@ class ModelConfig:
             return cls.from_hf_dict(raw)
         except KeyError as exc:
             raise ModelLoadError(f"{cfg_file} lacks the field {exc.args[0]!r}") from None
+
+
+def rope_scaling(rope: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The RoPE scaling of an HF config's ``rope_parameters`` (or older ``rope_scaling``) as the runtime's
+    rotation tables read it: its type and every parameter, defaults filled in as transformers fills
+    them; ``None`` for plain RoPE. Scalings the runtime cannot reproduce exactly are refused."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
+    if kind in ("default", None):
+        return None
+    if kind not in SUPPORTED_ROPE_SCALINGS:
+        raise ModelLoadError(f"unsupported RoPE scaling {kind!r}: moaspec runs plain RoPE and "
+                             f"{', '.join(SUPPORTED_ROPE_SCALINGS)}")
+    params: dict[str, Any] = {"rope_type": kind}
+    for key, default in ROPE_SCALING_KEYS[kind].items():
+        value = rope.get(key, raw.get(key) if key == "original_max_position_embeddings" else None)
+        if value is None and key == "original_max_position_embeddings":
+            value = raw.get("max_position_embeddings", 2048)
+        params[key] = default if value is None else value
+    if params["factor"] is None and kind == "yarn":  # as DeepSeek-V3 writes it: the context's growth
+        params["factor"] = raw.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
+    missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key in params and params[key] is None]
+    if missing:
+        raise ModelLoadError(f"the {kind} RoPE scaling lacks {', '.join(map(repr, missing))}")
+    return params

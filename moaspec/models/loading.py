@@ -103,7 +103,7 @@ def read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map HF Llama/Qwen2/Mistral parameter names onto this runtime's fused layout."""
+    """Map HF Llama/Qwen2/Qwen3/Mistral parameter names onto this runtime's fused layout."""
     state = {k.removeprefix("model."): v for k, v in state.items()}
 
     def take(name: str) -> torch.Tensor:
@@ -122,6 +122,8 @@ def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         if a + "q_proj.bias" in state:
             out[f"blocks.{i}.attn.qkv.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
         out[f"blocks.{i}.attn.o.weight"] = take(a + "o_proj.weight")
+        if cfg.qk_norm:
+            out[f"blocks.{i}.attn.q_norm"], out[f"blocks.{i}.attn.k_norm"] = take(a + "q_norm.weight"), take(a + "k_norm.weight")
         if a + "o_proj.bias" in state:
             raise ModelLoadError("attention output biases are not supported")
         out[f"blocks.{i}.mlp.gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
@@ -145,6 +147,8 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             for name, part in zip("qkv", state[b + "attn.qkv.bias"].split((q, kv, kv))):
                 out[p + f"self_attn.{name}_proj.bias"] = part
         out[p + "self_attn.o_proj.weight"] = state[b + "attn.o.weight"]
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"], out[p + "self_attn.k_norm.weight"] = state[b + "attn.q_norm"], state[b + "attn.k_norm"]
         gate, up = state[b + "mlp.gate_up.weight"].split(cfg.intermediate_size)
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
         out[p + "mlp.down_proj.weight"] = state[b + "mlp.down.weight"]

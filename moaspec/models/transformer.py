@@ -11,7 +11,9 @@ returns the residual stream after any requested layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,18 +24,84 @@ from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
 
 
-def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[max_positions, head_dim]`` in the half-split layout HF checkpoints use.
 
-    Always computed on the CPU (modules move them with ``.to``): under the meta device, where
-    loading builds models, this arithmetic would run torch's Python reference ops, whose first
-    use costs ~1.5 s of imports.
+    ``scaling`` (:func:`~moaspec.models.config.rope_scaling`'s form) rescales the frequencies
+    as the checkpoint was trained to read them (Llama 3.1's ``llama3``, ``linear``, ``yarn``);
+    ``yarn`` also scales cos and sin. Always computed on the CPU (modules move them with
+    ``.to``): under the meta device, where loading builds models, this arithmetic would run
+    torch's Python reference ops, whose first use costs ~1.5 s of imports.
     """
     cpu = torch.device("cpu")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+    if scaling:
+        inv_freq = scaled_frequencies(inv_freq, theta, head_dim, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    magnitude = rope_magnitude(scaling)
+    return emb.cos() * magnitude, emb.sin() * magnitude
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, theta: float, head_dim: int, scaling: dict[str, Any]) -> torch.Tensor:
+    """RoPE's inverse frequencies rescaled for a longer context.
+
+    The formulas are those the checkpoints were trained with (and transformers computes):
+    ``linear`` divides every frequency by ``factor``; ``llama3`` divides only the slow ones
+    (wavelengths beyond ``original / low_freq_factor``), keeps the fast ones (below
+    ``original / high_freq_factor``) and blends in between; ``yarn`` blends interpolated and
+    extrapolated frequencies over a ramp of dimensions (and scales cos/sin: :func:`rope_magnitude`).
+    """
+    kind, factor = scaling["rope_type"], scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor
+    original = scaling["original_max_position_embeddings"]
+    if kind == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        slowed = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * slowed / factor + smooth * slowed
+        between = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(between, blended, slowed)
+    return yarn_frequencies(inv_freq, theta, head_dim, factor, original, scaling)
+
+
+def yarn_frequencies(
+    inv_freq: torch.Tensor, theta: float, head_dim: int, factor: float, original: int, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN (Peng et al., 2023): dimensions that turn fewer than ``beta_slow`` times over the original
+    context are interpolated (divided by ``factor``), those that turn more than ``beta_fast`` times kept,
+    a linear ramp between; see :func:`scaled_frequencies`."""
+
+    def dimension(rotations: float) -> float:  # the dimension that turns ``rotations`` times over ``original``
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling["beta_fast"]), dimension(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_magnitude(scaling: dict[str, Any] | None) -> float:
+    """The factor on cos/sin: 1 except under YaRN, which scales queries and keys (so attention logits
+    by its square) by ``0.1·ln(factor) + 1``, or the ``attention_factor`` the checkpoint gives."""
+    if not scaling or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling["attention_factor"] is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling["mscale"], scaling["mscale_all_dim"]
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,6 +128,10 @@ class Attention(nn.Module):
         self.split = (q_dim, kv_dim, kv_dim)
         self.qkv = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=bias)
         self.o = Linear(q_dim, cfg.hidden_size, bias=False)
+        # Qwen3: each head's queries and keys are RMS-normalised before their rotation
+        self.eps = cfg.rms_norm_eps
+        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -73,8 +145,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        q, k = q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         end = start + T
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
@@ -134,7 +209,7 @@ class ForwardOutput:
 
 
 class Transformer(nn.Module):
-    """A Llama/Qwen2/Mistral decoder with explicit positions, masks and cache control."""
+    """A Llama/Qwen2/Qwen3/Mistral decoder with explicit positions, masks and cache control."""
 
     fingerprint: str = ""  # identity of the weights it was loaded from (set by the loader)
 
@@ -155,7 +230,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -182,7 +257,7 @@ class Transformer(nn.Module):
 
     def unrotated_keys(self, token_kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``token_kv`` (``[B, T, L, 2 · kv_dim]``, :meth:`KVCache.token_kv`'s layout) with every layer's keys
-        rotated back from their tokens' ``positions`` ``[T]``: ``W_k·x`` exactly, as before RoPE.
+        rotated back from their tokens' ``positions`` ``[T]``: ``W_k·x`` exactly (Qwen3: after its key norm), as before RoPE.
 
         The cache holds keys after RoPE (attention consumes them so); a reader blind to
         positions, like the MoA drafter's Layer Self-Attention, sees their fast-turning
@@ -192,6 +267,9 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(token_kv.dtype)[:, None, None]  # [T, 1, 1, D]: over layers and heads
         sin = self.rope_sin[positions].to(token_kv.dtype)[:, None, None]
         keys = apply_rope(token_kv[..., :kvd].unflatten(-1, (kvd // D, D)), cos, -sin)
+        magnitude = rope_magnitude(self.cfg.rope_scaling)  # cached keys carry YaRN's scale; its tables applied it again
+        if magnitude != 1.0:
+            keys = keys / magnitude**2
         return torch.cat([keys.flatten(-2), token_kv[..., kvd:]], dim=-1)
 
     def run_blocks(
