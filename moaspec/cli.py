@@ -170,7 +170,7 @@ def _add_decoding_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moaspec", description="Mixture of Attentions speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = sub.add_parser("generate", help="answer a chat prompt, streaming the text")
     g.add_argument("prompt", nargs="?", default=None, help="the user message ('-' reads it from stdin)")
     g.add_argument("--system", default=None, help="system message")
@@ -184,6 +184,42 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(g)
     _add_drafter_dtype_option(g)
     _add_generation_options(g)
+
+    u = sub.add_parser("tune", help="measure the fastest chain/tree/lookup setting on this machine and save it as the "
+                                    "default of generate, serve and moaspec.load")
+    u.add_argument("--drafter", default=None, help="the drafter to tune for (default: the one shipped for the target)")
+    u.add_argument("--questions", default=None,
+                   help="SpecBench-format .jsonl file or directory to time on (default: 12 built-in prompts of six kinds)")
+    u.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
+    u.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    u.add_argument("--output", default=None,
+                   help="run directory for answers, summary.json and plots (default: beside the saved setting, in the "
+                        "cache); an interrupted run resumes there")
+    u.add_argument("--no-save", action="store_true", help="measure and print, but save nothing")
+    u.add_argument("--no-progress", action="store_true")
+    _add_model_options(u)
+    _add_drafter_dtype_option(u)
+
+    b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
+    b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
+    b.add_argument("--methods", default="vanilla,moa,hf",
+                   help="comma list from vanilla, moa, moa-chain, moa-pld, moa-chain-pld, pld, eagle2, independent, hf, hf-pld, hf-assisted")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
+    b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
+    b.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
+    b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (default: the one shipped for the target)")
+    b.add_argument("--independent-drafter", default=None, help="independent drafter for independent and hf-assisted")
+    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain, moa-chain-pld and independent")
+    _add_confidence_option(b)
+    b.add_argument("--lookup", type=int, default=_default_lookup(),
+                   help="prompt lookup drafts per target forward for pld, moa-pld, moa-chain-pld and hf-pld")
+    _add_tree_options(b)
+    _add_sampling_options(b, "seed for sampling (default 0); each prompt gets its own seed derived from it and the "
+                             "prompt, the same for every method, so a run repeats exactly")
+    b.add_argument("--no-progress", action="store_true")
+    _add_model_options(b)
+    _add_drafter_dtype_option(b)
 
     d = sub.add_parser("data", help="make a distillation set: answers written by the target itself, to prompts it "
                                     "writes (Magpie) or to yours (--prompts)")
@@ -336,11 +372,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--drafter", default=None, help="MoA (any N), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     _add_model_options(e)
 
-    h = sub.add_parser("export-hf", help="write an independent drafter as a standalone transformers model directory")
-    h.add_argument("--drafter", required=True, help="independent drafter (`moaspec train --kind independent`)")
-    h.add_argument("--output", required=True, help="directory for config.json, model.safetensors and the tokenizer")
-    _add_model_options(h)
-
     bc = sub.add_parser("bench-cs", help="client–server decoding under emulated 4G/5G/LAN links, and after a disconnection")
     bc.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     bc.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
@@ -373,41 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(bc)
     _add_drafter_dtype_option(bc)
 
-    b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
-    b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
-    b.add_argument("--methods", default="vanilla,moa,hf",
-                   help="comma list from vanilla, moa, moa-chain, moa-pld, moa-chain-pld, pld, eagle2, independent, hf, hf-pld, hf-assisted")
-    b.add_argument("--max-new-tokens", type=int, default=256)
-    b.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
-    b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
-    b.add_argument("--drafter", default=None, help="MoA drafter (default: the shipped one)")
-    b.add_argument("--eagle-drafter", default=None, help="EAGLE drafter for eagle2 (default: the one shipped for the target)")
-    b.add_argument("--independent-drafter", default=None, help="independent drafter for independent and hf-assisted")
-    b.add_argument("--chain", type=int, default=_default_chain(), help="drafts per target forward for moa-chain, moa-chain-pld and independent")
-    _add_confidence_option(b)
-    b.add_argument("--lookup", type=int, default=_default_lookup(),
-                   help="prompt lookup drafts per target forward for pld, moa-pld, moa-chain-pld and hf-pld")
-    _add_tree_options(b)
-    _add_sampling_options(b, "seed for sampling (default 0); each prompt gets its own seed derived from it and the "
-                             "prompt, the same for every method, so a run repeats exactly")
-    b.add_argument("--no-progress", action="store_true")
-    _add_model_options(b)
-    _add_drafter_dtype_option(b)
-
-    u = sub.add_parser("tune", help="measure the fastest chain/tree/lookup setting on this machine and save it as the "
-                                    "default of generate, serve and moaspec.load")
-    u.add_argument("--drafter", default=None, help="the drafter to tune for (default: the one shipped for the target)")
-    u.add_argument("--questions", default=None,
-                   help="SpecBench-format .jsonl file or directory to time on (default: 12 built-in prompts of six kinds)")
-    u.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
-    u.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default 128)")
-    u.add_argument("--output", default=None,
-                   help="run directory for answers, summary.json and plots (default: beside the saved setting, in the "
-                        "cache); an interrupted run resumes there")
-    u.add_argument("--no-save", action="store_true", help="measure and print, but save nothing")
-    u.add_argument("--no-progress", action="store_true")
-    _add_model_options(u)
-    _add_drafter_dtype_option(u)
+    h = sub.add_parser("export-hf", help="write an independent drafter as a standalone transformers model directory")
+    h.add_argument("--drafter", required=True, help="independent drafter (`moaspec train --kind independent`)")
+    h.add_argument("--output", required=True, help="directory for config.json, model.safetensors and the tokenizer")
+    _add_model_options(h)
     return parser
 
 
