@@ -351,6 +351,52 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path: Pa
     assert torch.equal(store.features(tokens, lengths, (None, None)).final, first.final)  # no cache: computed alike
 
 
+
+@pytest.mark.parametrize("how", ["below the reserve", "disk full"])
+def test_the_feature_cache_stops_short_of_a_full_disk(tiny_llama, tmp_path: Path, capsys, monkeypatch, how: str) -> None:  # type: ignore[no-untyped-def]
+    """Caching stops, once and with one line, where the disk would keep less than the reserve for checkpoints or
+    fills anyway; training's features are unchanged (computed instead of read) and nothing half-written is left."""
+    import errno
+
+    import moaspec.training.features as features
+
+    tokens, lengths = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]), torch.tensor([5, 3])
+    files = (tmp_path / "f" / "a.safetensors", tmp_path / "f" / "b.safetensors")
+    writes = []
+    if how == "disk full":
+        def full(tensors, path):  # type: ignore[no-untyped-def]
+            writes.append(path)
+            Path(path).write_bytes(b"half")  # a partial file, as a full disk leaves it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(features, "save_file", full)
+        store = features.FeatureStore(tiny_llama.model, 0)
+    else:
+        store = features.FeatureStore(tiny_llama.model, 0, reserve=features.free_bytes(tmp_path) + 1)
+    want = features.FeatureStore(tiny_llama.model, 0).features(tokens, lengths, (None, None))
+    for _ in range(2):
+        got = store.features(tokens, lengths, files)
+        assert torch.equal(got.final, want.final) and torch.equal(got.token_kv, want.token_kv)
+    assert not store.caching and len(writes) == (1 if how == "disk full" else 0)  # no second try
+    assert not (tmp_path / "f").exists() or not list((tmp_path / "f").iterdir())
+    err = capsys.readouterr().err
+    assert err.count("stops growing") == 1 and ("disk is full" if how == "disk full" else "kept for checkpoints") in err
+
+
+def test_training_says_up_front_when_the_feature_cache_will_not_fit(tiny_llama, tiny_data: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                   capsys, monkeypatch) -> None:
+    import moaspec.training.features as features
+
+    monkeypatch.setattr(features, "free_bytes", lambda path: features.DISK_RESERVE + 4096)
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data, ignore=shutil.ignore_patterns("features"))
+    Trainer(tiny_llama, data, tmp_path / "run", small(steps=2, eval_every=2, save_every=2), progress=False).train()
+    err = capsys.readouterr().err
+    per_token = features.bytes_per_token(tiny_llama.cfg, 0) / 1024
+    assert f"({per_token:.1f} KiB a token)" in err and "--no-feature-cache" in err
+    assert not list((data / "features").rglob("*.safetensors"))  # nothing cached beyond the reserve
+    monkeypatch.undo()
+    assert features.room_warning(data, 1000, tiny_llama.cfg, 0) is None  # a real disk holds 1,000 tiny tokens
+
 def test_data_written_during_training_joins_at_the_next_epoch(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import shutil
 

@@ -11,6 +11,9 @@ through fp16, cached or not, so a run's numbers do not depend on what was cached
 
 from __future__ import annotations
 
+import errno
+import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,42 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moaspec.fileio import atomic_write
+from moaspec.models.config import ModelConfig
 from moaspec.models.transformer import Transformer
+
+# free space the cache never takes: checkpoints and logs are still to be written
+DISK_RESERVE = 2 * 2**30
+
+
+def bytes_per_token(cfg: ModelConfig, tli_layers: int) -> int:
+    """What one token's cached features take on disk (fp16): every layer's K/V, the final state
+    and, with Target Layer Inference, the state after layer L−N. 23.6 KiB on SmolLM2; a large
+    target's many layers and wide K/V make it several times that (Llama-3.1-8B: 136 KiB)."""
+    return 2 * (cfg.num_layers * 2 * cfg.kv_dim + cfg.hidden_size * (2 if tli_layers else 1))
+
+
+def free_bytes(path: Path) -> int:
+    """Free space on the file system that holds (or will hold) ``path``."""
+    for where in (path, *path.parents):
+        if where.exists():
+            return shutil.disk_usage(where).free
+    return shutil.disk_usage(Path.cwd()).free
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def room_warning(directory: Path, tokens: int, cfg: ModelConfig, tli_layers: int, reserve: int = DISK_RESERVE) -> str | None:
+    """What to tell a user before training when caching ``tokens`` more tokens' features under
+    ``directory`` would leave less than ``reserve`` free; ``None`` when they fit."""
+    need, free = tokens * bytes_per_token(cfg, tli_layers), free_bytes(directory)
+    if need <= free - reserve:
+        return None
+    return (f"caching the target's features for this data takes about {gib(need)} more "
+            f"({bytes_per_token(cfg, tli_layers) / 1024:.1f} KiB a token) and {directory} has {gib(free)} free: "
+            f"the cache will stop {gib(reserve)} short of full, and features past that point are computed "
+            "each time they are needed (slower); free space, or pass --no-feature-cache")
 
 
 @dataclass
@@ -51,8 +89,28 @@ class FeatureStore:
     their cache beside their own data.
     """
 
-    def __init__(self, target: Transformer, tli_layers: int) -> None:
-        self.target, self.tli_layers = target, tli_layers
+    def __init__(self, target: Transformer, tli_layers: int, reserve: int = DISK_RESERVE) -> None:
+        self.target, self.tli_layers, self.reserve = target, tli_layers, reserve
+        self.caching = True  # until the disk runs short: then what is cached is still read, nothing added
+
+    def _keep(self, path: Path, row: dict[str, torch.Tensor]) -> None:
+        """Write one row's cache file, unless the disk would keep less than the reserve; a disk that
+        fills anyway (other writers) stops the caching too, never the run."""
+        need = sum(t.numel() * t.element_size() for t in row.values())
+        free = free_bytes(path.parent)
+        if free - need < self.reserve:
+            return self._stop(path.parent, f"{gib(free)} free, {gib(self.reserve)} kept for checkpoints")
+        try:
+            atomic_write(path, lambda p: save_file({k: v.contiguous().cpu() for k, v in row.items()}, str(p)))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self._stop(path.parent, f"the disk is full: {exc.strerror}")
+
+    def _stop(self, directory: Path, why: str) -> None:
+        self.caching = False
+        print(f"moaspec train: the feature cache in {directory} stops growing ({why}); features not cached yet "
+              "are computed each time they are needed, which is slower", file=sys.stderr)
 
     def _load(self, path: Path | None, length: int) -> dict[str, torch.Tensor] | None:
         if path is None or not path.is_file():
@@ -80,8 +138,8 @@ class FeatureStore:
                     row["layer"] = fresh.layer[j, :n].half()
                 cached[b] = row
                 path = files[b]
-                if path is not None:  # atomic_write makes the directory
-                    atomic_write(path, lambda p, r=row: save_file({k: v.contiguous().cpu() for k, v in r.items()}, str(p)))
+                if path is not None and self.caching:  # atomic_write makes the directory
+                    self._keep(path, row)
         L, W = self.target.cfg.num_layers, 2 * self.target.cfg.kv_dim
         d = self.target.cfg.hidden_size
         kv = torch.zeros(B, S, L, W, device=device)

@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -60,7 +61,7 @@ from moaspec.training.distill import (
     step_accuracy,
     step_matches,
 )
-from moaspec.training.features import FeatureStore, TargetOut
+from moaspec.training.features import FeatureStore, TargetOut, room_warning
 from moaspec.training.losses import FEATURE_WEIGHT, KL_WEIGHT
 from moaspec.training.masks import staircase_probability
 
@@ -194,6 +195,8 @@ class Trainer:
         self.feature_dirs = [d / "features" / f"{target.fingerprint}-len{cfg.max_len}-tli{cfg.tli_layers}"
                              for d in self.data_dirs] if cfg.cache_features else None
         self.features = FeatureStore(target.model, cfg.tli_layers)
+        if self.feature_dirs is not None and self.acc.is_main_process:
+            self._warn_if_the_cache_will_not_fit()
         torch.manual_seed(cfg.seed)
         drafter: Drafter
         self.inherited_lineage: list[str] = []  # what made the --init-from drafter, oldest first
@@ -418,6 +421,19 @@ class Trainer:
         train, _ = load_examples(self.data_dirs, self.target.fingerprint, self.cfg.max_len, self.cfg.val_fraction,
                                  self.epoch_shards[epoch])
         return [ex for ex in train if (ex.source, ex.key) not in held]
+
+    def _warn_if_the_cache_will_not_fit(self) -> None:
+        """Say before the first update when the features still to cache outgrow a data directory's disk
+        (a large target's are several times SmolLM2's 23.6 KiB a token), not hours later."""
+        assert self.feature_dirs is not None
+        todo = [0] * len(self.feature_dirs)
+        for ex in (*self.train_set, *self.val_set):
+            if not (self.feature_dirs[ex.source] / f"{ex.key}.safetensors").is_file():
+                todo[ex.source] += len(ex.tokens)
+        for directory, tokens in zip(self.feature_dirs, todo):
+            warning = room_warning(directory, tokens, self.target.cfg, self.cfg.tli_layers)
+            if warning:
+                print(f"moaspec train: {warning}", file=sys.stderr)
 
     def target_features(self, batch: Batch) -> TargetOut:
         """The target's features for ``batch``, cached beside the data each example came from."""
