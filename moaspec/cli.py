@@ -7,6 +7,7 @@ exits 130. Tracebacks are reserved for bugs.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -17,6 +18,14 @@ from typing import Any
 from moaspec.errors import MoaspecError
 
 EXIT_USAGE = 2
+# what the machine, not moaspec, refused, and what to do; every file is written atomically, so what was
+# being written is simply absent
+DISK_ERRORS = {
+    errno.ENOSPC: "free some space and run the command again (data, train, bench, bench-cs and tune resume where they stopped)",
+    errno.EDQUOT: "the disk quota is used up; free some space and run the command again",
+    errno.EACCES: "check its permissions, or choose another place",
+    errno.EROFS: "the file system is read-only; choose another place",
+}
 DRAFT_COLOUR, UNVERIFIED_COLOUR, RESET = "\033[36m", "\033[33m", "\033[0m"
 
 
@@ -941,6 +950,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        if exc.errno not in DISK_ERRORS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"moaspec: error: {exc.strerror}{where}: {DISK_ERRORS[exc.errno]}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("\nmoaspec: interrupted", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -398,3 +399,26 @@ def test_an_oversized_tree_is_refused() -> None:
     for shape in ({"depth": 1000}, {"top_k": 33}, {"total": 100_000}):
         with pytest.raises(MoaspecError, match="a draft tree may have"):
             TreeShape(**shape)
+
+
+@pytest.mark.parametrize(("code", "says"), [(errno.ENOSPC, "free some space and run the command again"),
+                                            (errno.EROFS, "the file system is read-only")])
+def test_a_full_or_read_only_disk_is_one_line_not_a_traceback(monkeypatch, capsys, code: int, says: str) -> None:  # type: ignore[no-untyped-def]
+    """What the machine refuses mid-run (every write is atomic, so nothing half-written stays) is named with the
+    file and what to do; other OS errors are bugs and keep their traceback."""
+    from moaspec import cli
+
+    def refuse(args):  # type: ignore[no-untyped-def]
+        raise OSError(code, os.strerror(code), "/data/run/train_log.csv")
+
+    monkeypatch.setitem(cli.COMMANDS, "generate", refuse)
+    assert cli.main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moaspec: error: ") and "/data/run/train_log.csv" in err and says in err and "\n" not in err
+
+    def reset(args):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ECONNRESET, "reset")
+
+    monkeypatch.setitem(cli.COMMANDS, "generate", reset)
+    with pytest.raises(OSError):
+        cli.main(["generate", "hi"])
