@@ -385,3 +385,24 @@ def test_fields_added_later_leave_older_models_fingerprints_alone() -> None:
     scaled = ModelConfig.from_hf_dict({**raw, "model_type": "qwen3", "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert scaled.to_dict()["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and scaled.to_dict()["qk_norm"]
     assert ModelConfig.from_dict(scaled.to_dict()) == scaled  # as a client bundle rebuilds it
+
+
+@pytest.mark.parametrize(("setting", "memory", "packed"), [("", 2**40, True), ("", 2**20, False), ("1", 2**20, True),
+                                                           ("0", 2**40, False)])
+def test_weights_are_prepacked_only_where_the_copies_fit(tiny_dirs, monkeypatch, capsys, setting: str, memory: int,  # type: ignore[no-untyped-def]
+                                                         packed: bool) -> None:
+    """The packed copies double a CPU target's weight memory: without room for them (or with MOASPEC_PACK=0) the model
+    runs on its dense weights, says so in one line, and computes the same logits."""
+    import moaspec.models.packed_linear as pl
+
+    monkeypatch.setenv(pl.PACK_ENV, setting)
+    monkeypatch.setattr(pl, "available_memory", lambda: memory)
+    model = load_model_dir(tiny_dirs["llama"], device="cpu", with_tokenizer=False).model
+    linears = [m for m in model.modules() if isinstance(m, pl.Linear)]
+    assert all((m.packed is not None) == packed for m in linears)
+    assert ("not prepacked" in capsys.readouterr().err) != packed
+    monkeypatch.setenv(pl.PACK_ENV, "1")
+    reference = load_model_dir(tiny_dirs["llama"], device="cpu", with_tokenizer=False).model
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(model(ids, model.new_cache(16)).logits, reference(ids, reference.new_cache(16)).logits,
+                               atol=1e-4, rtol=0)

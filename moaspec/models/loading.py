@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from moaspec.errors import ModelLoadError, brief
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
-from moaspec.models.packed_linear import PAD_ROWS, pack_linears
+from moaspec.models.packed_linear import PAD_ROWS, pack_linears, packing_refused
 from moaspec.models.transformer import Transformer, causal_mask
 
 
@@ -192,7 +193,12 @@ def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     # the RoPE tables are real even under the meta device (rope_tables computes on the CPU): move, not rebuild
     model.rope_cos, model.rope_sin = model.rope_cos.to(device), model.rope_sin.to(device)
     model.eval().requires_grad_(False)
-    pack_linears(model, forward=_timing_forward(model))
+    refused = packing_refused(model)
+    if refused is None:
+        pack_linears(model, forward=_timing_forward(model))
+    else:
+        print(f"moaspec: the target's weights are not prepacked ({refused}): verifying several tokens at once "
+              "is slower", file=sys.stderr)
     model.fingerprint = weights_id
     return model
 

@@ -19,6 +19,7 @@ is needed.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,6 +156,38 @@ def measure_small_row_kernels(forward: Callable[[int], None], repeats: int = 2) 
         return kernel if times[(kernel, rows)] < _MARGIN * times[("packed", rows)] else "packed"
 
     return SmallRowKernels((best(ends[0]),) + (best(ends[1]),) * (len(SMALL_ROWS) - 1))
+
+
+PACK_ENV = "MOASPEC_PACK"  # "0": never prepack, "1": always, unset: when the copies fit in memory
+PACK_HEADROOM = 2**30  # memory left for activations, caches and the rest of the process after packing
+
+
+def available_memory() -> int:
+    """Bytes of memory the system can give this process now without swapping."""
+    import psutil  # deferred: only loads of CPU models need it
+
+    return int(psutil.virtual_memory().available)
+
+
+def packing_refused(module: nn.Module) -> str | None:
+    """Why ``module``'s weights should not be prepacked, or ``None`` to pack them.
+
+    A packed copy sits beside each dense weight (which stays the parameter), doubling a CPU
+    target's weight memory: 0.5 GB more for SmolLM2, 13 GB more for a 3B model in fp32. Where that
+    would leave under :data:`PACK_HEADROOM` free, decoding runs on the dense weights instead
+    (slower for verifications of several tokens, BENCHMARKS.md) rather than driving the machine
+    into swap or the kernel's OOM killer. ``MOASPEC_PACK`` overrides the check."""
+    setting = os.environ.get(PACK_ENV, "")
+    if setting == "0":
+        return f"{PACK_ENV}=0"
+    need = sum(m.weight.nbytes for m in module.modules() if isinstance(m, Linear) and packing_supported(m.weight))
+    if setting == "1" or need == 0:
+        return None
+    free = available_memory()
+    if need + PACK_HEADROOM > free:
+        return (f"their packed copies would take {need / 2**30:.1f} GiB more and {free / 2**30:.1f} GiB is available; "
+                f"{PACK_ENV}=1 packs them anyway")
+    return None
 
 
 def pack_linears(module: nn.Module, enable: bool = True, forward: Callable[[int], None] | None = None) -> None:
