@@ -104,12 +104,17 @@ def read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map HF Llama/Qwen2/Qwen3/Mistral parameter names onto this runtime's fused layout."""
-    state = {k.removeprefix("model."): v for k, v in state.items()}
+    """Map HF Llama/Qwen2/Qwen3/Mistral parameter names onto this runtime's fused layout.
+
+    Consumes ``state``: each HF tensor leaves it as its fused copy is made, so that loading holds
+    about one copy of the weights, not two (what is left over, e.g. a stale rotary buffer, is dropped).
+    """
+    for key in list(state):  # renamed in place: a second dict would keep every unfused tensor alive
+        state[key.removeprefix("model.")] = state.pop(key)
 
     def take(name: str) -> torch.Tensor:
         try:
-            return state[name]
+            return state.pop(name)
         except KeyError:
             raise ModelLoadError(f"the weights lack {name!r}: not a {cfg.family} checkpoint of this config") from None
 
@@ -131,6 +136,7 @@ def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         out[f"blocks.{i}.mlp.down.weight"] = take(p + "mlp.down_proj.weight")
         out[f"blocks.{i}.attn_norm"] = take(p + "input_layernorm.weight")
         out[f"blocks.{i}.mlp_norm"] = take(p + "post_attention_layernorm.weight")
+    state.clear()
     return out
 
 
@@ -172,7 +178,7 @@ BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)")
 
 def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
              weights_id: str, first_block: int = 0) -> Transformer:
-    """Instantiate without initialising (meta device), then adopt ``state`` (this runtime's names).
+    """Instantiate without initialising (meta device), then adopt ``state`` (this runtime's names), consuming it.
 
     With ``first_block > 0`` the model holds only the blocks from there on (a client's
     Target Layer Inference); ``state`` names them by their index in the whole target.
@@ -181,9 +187,9 @@ def assemble(cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.dev
     with torch.device("meta"):
         model = Transformer(cfg, qkv_bias=qkv_bias, first_block=first_block)
     own = {}
-    for name, t in state.items():
+    for name in list(state):  # consumed as cast: the stored copy of a tensor is freed once its cast exists
         m = BLOCK_NAME.fullmatch(name)
-        own[f"blocks.{int(m[1]) - first_block}.{m[2]}" if m else name] = t.to(device=device, dtype=dtype)
+        own[f"blocks.{int(m[1]) - first_block}.{m[2]}" if m else name] = state.pop(name).to(device=device, dtype=dtype)
     try:
         model.load_state_dict(own, strict=not cfg.tie_word_embeddings, assign=True)
     except RuntimeError as exc:
