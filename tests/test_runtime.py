@@ -406,3 +406,37 @@ def test_weights_are_prepacked_only_where_the_copies_fit(tiny_dirs, monkeypatch,
     ids = torch.randint(0, model.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(11))
     torch.testing.assert_close(model(ids, model.new_cache(16)).logits, reference(ids, reference.new_cache(16)).logits,
                                atol=1e-4, rtol=0)
+
+
+def test_only_the_files_that_hold_the_model_are_read(tiny_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A sharded checkpoint is read through its index, and weights in another naming beside the HF ones (Mistral's
+    consolidated.safetensors) are not read as a second copy; an index naming a missing shard is one clear error."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from moaspec.errors import ModelLoadError
+    from moaspec.models.loading import weight_files
+
+    reference = load_model_dir(tiny_dirs["llama"], device="cpu", with_tokenizer=False).model
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(tiny_dirs["llama"])).save_pretrained(str(sharded), max_shard_size="100KB")
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, str(sharded / "consolidated.safetensors"))
+    assert len(weight_files(sharded)) > 1 and (sharded / "consolidated.safetensors") not in weight_files(sharded)
+    single = tmp_path / "single"
+    shutil.copytree(tiny_dirs["llama"], single)
+    shutil.copy(sharded / "consolidated.safetensors", single)
+    assert weight_files(single) == [single / "model.safetensors"]
+    for path in (sharded, single):
+        model = load_model_dir(path, device="cpu", with_tokenizer=False).model
+        assert model.fingerprint == reference.fingerprint
+    index = sharded / "model.safetensors.index.json"
+    first = sorted(set(json.loads(index.read_text())["weight_map"].values()))[0]
+    (sharded / first).unlink()
+    with pytest.raises(ModelLoadError, match=f"lacks weight files its index names: {first}"):
+        load_model_dir(sharded, device="cpu", with_tokenizer=False)
+    index.write_text("[]")
+    with pytest.raises(ModelLoadError, match="is damaged"):
+        load_model_dir(sharded, device="cpu", with_tokenizer=False)

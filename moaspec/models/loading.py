@@ -85,8 +85,27 @@ def usable_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return resolved
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files that hold ``path``'s model: those its index names, else ``model.safetensors``,
+    else every ``*.safetensors`` there. Repositories may carry other weights beside the HF ones (Mistral's
+    ship a ``consolidated.safetensors`` in its own naming), which must not be read as a second copy."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index} is damaged: it holds no weight_map of tensor names to files") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{path} lacks weight files its index names: {', '.join(missing)}")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
+
+
 def read_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     if not files:
         if list(path.glob("*.bin")) or list(path.glob("*.pt")):
             raise ModelLoadError(
