@@ -377,14 +377,18 @@ def test_configs_the_runtime_cannot_reproduce_are_refused(change: dict, message:
 def test_fields_added_later_leave_older_models_fingerprints_alone() -> None:
     """A drafter records its target's fingerprint, a hash of ``to_dict``: fields added after drafters shipped
     must not appear there at their defaults, or every shipped drafter would stop matching its target."""
+    from dataclasses import replace
+
     from moaspec.models.config import ModelConfig
 
     raw = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
            "num_attention_heads": 2}
-    assert not {"rope_scaling", "qk_norm"} & set(ModelConfig.from_hf_dict(raw).to_dict())
+    assert not {"rope_scaling", "qk_norm", "generation_eos_ids"} & set(ModelConfig.from_hf_dict(raw).to_dict())
     scaled = ModelConfig.from_hf_dict({**raw, "model_type": "qwen3", "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert scaled.to_dict()["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and scaled.to_dict()["qk_norm"]
     assert ModelConfig.from_dict(scaled.to_dict()) == scaled  # as a client bundle rebuilds it
+    stops = replace(scaled, generation_eos_ids=(5,))  # stops, not identity: carried to a bundle, not fingerprinted
+    assert ModelConfig.from_dict(stops.to_dict()) == stops and stops.identity() == scaled.identity()
 
 
 @pytest.mark.parametrize(("setting", "memory", "packed"), [("", 2**40, True), ("", 2**20, False), ("1", 2**20, True),

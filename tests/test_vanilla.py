@@ -18,7 +18,8 @@ def hf_greedy(path, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
     eos = hf.generation_config.eos_token_id
-    return out[: out.index(eos)] if eos in out else out
+    ends = [i for i, t in enumerate(out) if t in (eos if isinstance(eos, list) else [eos])]
+    return out[: ends[0]] if ends else out
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -114,3 +115,25 @@ def test_generation_stops_at_context_end(tiny_llama) -> None:  # type: ignore[no
 def test_invalid_max_new_tokens() -> None:
     with pytest.raises(MoaspecError):
         GenerationConfig(max_new_tokens=0)
+
+
+def test_generation_stops_at_the_eos_ids_only_generation_config_names(tiny_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The first release of Llama-3-8B-Instruct names <|eot_id|>, which ends its turns, only in generation_config.json: decoding stops there
+    as transformers' does, and the model's fingerprint (which drafters record) is the same as without it."""
+    import json
+    import shutil
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"], path)
+    lm = load_model_dir(path, device="cpu")
+    prompt = encode_chat(lm.tokenizer, chat_messages("The quick brown"))
+    free = generate(lm.model, lm.tokenizer, prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+    ender = free[3]  # a token the model emits: made an EOS only by the generation config
+    first = free.index(ender)
+    settings = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**settings, "eos_token_id": [settings["eos_token_id"], ender]}))
+    stopped = load_model_dir(path, device="cpu")
+    assert stopped.cfg.generation_eos_ids == (ender,) and stopped.fingerprint == lm.fingerprint
+    res = generate(stopped.model, stopped.tokenizer, prompt, GenerationConfig(max_new_tokens=12))
+    assert res.token_ids == free[:first] and res.finish_reason == "eos"
+    assert res.token_ids == hf_greedy(path, prompt, 12)

@@ -19,8 +19,9 @@ from moaspec.models.transformer import Transformer
 
 
 def stop_token_ids(model: Transformer, tokenizer: Any) -> set[int]:
-    """EOS ids from the model config and the tokenizer (chat models often end turns with their own)."""
-    ids = set(model.cfg.eos_token_ids)
+    """EOS ids from the model config, its generation config and the tokenizer (chat models often end turns with
+    their own)."""
+    ids = set(model.cfg.eos_token_ids) | set(model.cfg.generation_eos_ids)
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids

@@ -11,7 +11,7 @@ rotation never depends on how long the sequence has grown).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,10 @@ class ModelConfig:
     # fingerprints of models without them (which hash to_dict) stay what they were
     rope_scaling: dict[str, Any] | None = None
     qk_norm: bool = False
+    # EOS ids that only generation_config.json names (the first release of Llama-3-8B-Instruct's
+    # <|eot_id|>, which ends its turns): generation stops at them as transformers' does, but they are not part of the
+    # model's identity, so its fingerprint stays what it was before they were read
+    generation_eos_ids: tuple[int, ...] = ()
 
     @property
     def kv_dim(self) -> int:
@@ -61,8 +65,8 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        for name, default in (("rope_scaling", None), ("qk_norm", False)):
+        d["eos_token_ids"], d["generation_eos_ids"] = list(self.eos_token_ids), list(self.generation_eos_ids)
+        for name, default in (("rope_scaling", None), ("qk_norm", False), ("generation_eos_ids", [])):
             if d[name] == default:
                 del d[name]
         return d
@@ -70,7 +74,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """The inverse of :meth:`to_dict` (a client bundle's ``bundle.json`` holds it)."""
-        return cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ()))})
+        return cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ())),
+                      "generation_eos_ids": tuple(d.get("generation_eos_ids", ()))})
+
+    def identity(self) -> dict[str, Any]:
+        """What of the config identifies the model (its fingerprint hashes it with the weights)."""
+        return {k: v for k, v in self.to_dict().items() if k != "generation_eos_ids"}
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -124,9 +133,21 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{cfg_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
         try:
-            return cls.from_hf_dict(raw)
+            cfg = cls.from_hf_dict(raw)
         except KeyError as exc:
             raise ModelLoadError(f"{cfg_file} lacks the field {exc.args[0]!r}") from None
+        extra = [i for i in generation_eos_ids(path / "generation_config.json") if i not in cfg.eos_token_ids]
+        return replace(cfg, generation_eos_ids=tuple(extra)) if extra else cfg
+
+
+def generation_eos_ids(path: Path) -> list[int]:
+    """The EOS ids a ``generation_config.json`` names (none if it is absent or unreadable: it only adds stops)."""
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def rope_scaling(rope: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any] | None:

@@ -254,7 +254,7 @@ def fingerprint(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
     from the weights as read from disk, before any cast, so the same model loaded in
     fp32 on a CPU or in bf16 on a GPU has the same fingerprint.
     """
-    h = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps(cfg.identity(), sort_keys=True).encode())
     for name, t in sorted(state.items()):
         flat = t.detach().reshape(-1)
         step = max(1, flat.numel() // 4096)

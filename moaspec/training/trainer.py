@@ -221,7 +221,7 @@ class Trainer:
             if vocab is not None:
                 drafter.set_draft_vocab(vocab)
         elif cfg.draft_vocab and not cfg.init_from:
-            eos = list(target.cfg.eos_token_ids) + list(getattr(target.tokenizer, "all_special_ids", []) or [])
+            eos = [*target.cfg.eos_token_ids, *target.cfg.generation_eos_ids, *(getattr(target.tokenizer, "all_special_ids", []) or [])]
             drafter.set_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, eos, target.cfg.vocab_size))
         if isinstance(drafter, MoADrafter) and not cfg.init_from:
             drafter.start_out_norm_from(target.model)
