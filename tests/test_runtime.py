@@ -444,3 +444,45 @@ def test_only_the_files_that_hold_the_model_are_read(tiny_dirs, tmp_path) -> Non
     index.write_text("[]")
     with pytest.raises(ModelLoadError, match="is damaged"):
         load_model_dir(sharded, device="cpu", with_tokenizer=False)
+
+
+# config.json of released checkpoints (their RoPE fields as published), for the scalings at their real sizes
+RELEASED_CONFIGS = {
+    "Llama-3.2-1B-Instruct": {
+        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "eos_token_id": [128001, 128008, 128009],
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+    "Qwen2.5-7B-Instruct with its long-context setting": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0, "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}},
+    "Qwen3-0.6B": {
+        "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None, "tie_word_embeddings": True},
+}
+
+
+@pytest.mark.parametrize("name", RELEASED_CONFIGS)
+def test_rope_of_released_configs_matches_transformers(name: str) -> None:
+    """Frequencies and cos/sin scale as transformers computes them for these configs (no weights needed)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from moaspec.models.config import ModelConfig
+    from moaspec.models.transformer import rope_magnitude, scaled_frequencies
+
+    raw = RELEASED_CONFIGS[name]
+    ours = ModelConfig.from_hf_dict(raw)
+    assert ours.qk_norm == (raw["model_type"] == "qwen3")
+    hf_config = AutoConfig.for_model(**raw)
+    plain = 1.0 / (ours.rope_theta ** (torch.arange(0, ours.head_dim, 2, dtype=torch.int64).float() / ours.head_dim))
+    if ours.rope_scaling is None:
+        assert hf_config.rope_parameters["rope_type"] == "default"
+        return
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[ours.rope_scaling["rope_type"]](hf_config, torch.device("cpu"))
+    torch.testing.assert_close(scaled_frequencies(plain, ours.rope_theta, ours.head_dim, ours.rope_scaling), inv_freq,
+                               rtol=1e-6, atol=0)
+    assert rope_magnitude(ours.rope_scaling) == pytest.approx(attention_factor)
