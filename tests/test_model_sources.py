@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,35 @@ def test_a_damaged_stamp_is_recomputed(tmp_path: Path, cache: Path, digests: lis
     (stamp,) = (cache / "models" / ".stamps").iterdir()
     stamp.write_text("")
     assert sources._gguf_cache_dir(path) == dest and len(digests) == 2
+
+
+@pytest.mark.parametrize(("scaling", "says"), [("rope_freqs", "per dimension (a rope_freqs tensor"),
+                                               ("yarn", "scales its RoPE (yarn)"), (None, None)])
+def test_a_gguf_whose_rope_scaling_transformers_would_drop_is_refused(tmp_path: Path, scaling: str | None,
+                                                                      says: str | None) -> None:
+    """transformers' GGUF reader keeps no RoPE scaling for these families: converting such a file would make another
+    model (Llama 3.1 rotating as Llama 3.0) under the same name, so it is refused before conversion, in one line."""
+    import numpy as np
+    from gguf import GGUFWriter, RopeScalingType
+
+    from moaspec.errors import ModelLoadError
+
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    if scaling == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    if scaling == "rope_freqs":
+        writer.add_tensor("rope_freqs.weight", np.ones(2, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if says is None:
+        sources.refuse_unreadable_rope(path)  # plain RoPE: on to transformers' reader
+    else:
+        with pytest.raises(ModelLoadError, match=re.escape(says)):
+            sources.convert_gguf(path, tmp_path / "converted")
+        assert not (tmp_path / "converted").exists()

@@ -82,6 +82,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
         raise ModelLoadError(f"{gguf} is not a GGUF file (it does not begin with the bytes 'GGUF')")
     if len(header) < 24:
         raise ModelLoadError(f"{gguf} is a truncated GGUF file ({len(header)} bytes)")
+    refuse_unreadable_rope(gguf)
     print(f"moaspec: converting {gguf.name} once into {dest} ...", file=sys.stderr)
     hf_logging.disable_progress_bar()
     try:
@@ -108,6 +109,30 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def refuse_unreadable_rope(gguf: Path) -> None:
+    """Refuse a GGUF whose RoPE transformers' reader would silently make plain.
+
+    llama.cpp stores Llama 3.1's frequency scaling (and other per-dimension ones) as a
+    ``rope_freqs`` tensor and YaRN-like ones as ``*.rope.scaling.*`` fields; transformers'
+    GGUF reader drops both for these families, so the converted model would rotate its
+    keys unlike the checkpoint it came from, a different model under the same name.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+    except Exception as exc:  # gguf raises several types for a damaged file
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {brief(exc)}") from None
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ModelLoadError(f"{gguf} scales its RoPE per dimension (a rope_freqs tensor, as Llama 3.1 and later have), "
+                             "which transformers' GGUF reader drops: load the model's Hugging Face directory instead")
+    kinds = [str(f.contents()) for name, f in reader.fields.items() if name.endswith(".rope.scaling.type")]
+    for kind in kinds:
+        if kind != "none":
+            raise ModelLoadError(f"{gguf} scales its RoPE ({kind}), which transformers' GGUF reader drops: load the "
+                                 "model's Hugging Face directory instead")
 
 
 def resolve_model(spec: str | None) -> Path:
