@@ -100,3 +100,26 @@ def test_a_gguf_whose_rope_scaling_transformers_would_drop_is_refused(tmp_path: 
         with pytest.raises(ModelLoadError, match=re.escape(says)):
             sources.convert_gguf(path, tmp_path / "converted")
         assert not (tmp_path / "converted").exists()
+
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_gguf_files_of_other_families_convert_to_the_same_model(tmp_path: Path, cache: Path, family: str) -> None:
+    """A Qwen2 or Qwen3 GGUF (q/k/v biases and an untied head; query/key norms) converts through transformers' reader
+    into the model it was written from: same logits, same tokenizer, same chat template."""
+    import torch
+
+    from moaspec.chat import chat_messages, encode_chat
+    from moaspec.models import load_model_dir
+    from tiny import make_tiny_gguf, make_tiny_model
+
+    source = make_tiny_model(tmp_path / family, family, **({"head_dim": 128} if family == "qwen3" else {}))
+    converted = load_model_dir(sources.resolve_model(str(make_tiny_gguf(source, tmp_path / f"{family}.gguf"))),
+                               device="cpu")
+    original = load_model_dir(source, device="cpu")
+    assert (converted.cfg.family, converted.cfg.qk_norm) == (family, family == "qwen3")
+    ids = torch.randint(0, original.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(12))
+    torch.testing.assert_close(converted.model(ids, converted.model.new_cache(64)).logits,
+                               original.model(ids, original.model.new_cache(64)).logits, atol=1e-5, rtol=0)
+    messages = chat_messages("The quick brown fox")
+    assert encode_chat(converted.tokenizer, messages) == encode_chat(original.tokenizer, messages)

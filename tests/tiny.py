@@ -1,4 +1,4 @@
-"""Tiny randomly initialised models (Llama, Qwen2, Mistral) saved as real HF directories.
+"""Tiny randomly initialised models (Llama, Qwen2, Qwen3, Mistral) saved as real HF directories (or GGUF files).
 
 Each directory has config.json, safetensors weights, and a small byte-level BPE tokenizer
 with a ChatML template, so the whole load → encode → generate path runs in milliseconds.
@@ -74,6 +74,50 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, vocab_size
     tokenizer.save_pretrained(str(path))
     return path
 
+
+
+def make_tiny_gguf(source: Path, out: Path) -> Path:
+    """Write the tiny HF model at ``source`` (a Qwen2 or Qwen3 one) as a GGUF file, as llama.cpp names its tensors
+    and keys, with its tokenizer (byte-level BPE: tokens, merges) and chat template; return ``out``."""
+    import json
+
+    from gguf import GGUFWriter, TokenType
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    cfg, state = hf.config, hf.state_dict()
+    writer = GGUFWriter(str(out), cfg.model_type)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    tok = json.loads((source / "tokenizer.json").read_text())
+    added = {a["id"]: a["content"] for a in tok["added_tokens"]}
+    tokens = {i: t for t, i in tok["model"]["vocab"].items()} | added
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([tokens[i] for i in range(len(tokens))])
+    writer.add_token_types([TokenType.CONTROL if i in added else TokenType.NORMAL for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for gguf_name, hf_name in get_gguf_hf_weights_map(hf, TensorProcessor()).items():
+        if hf_name in state:
+            writer.add_tensor(gguf_name, state[hf_name].numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
 
 @contextmanager
 def accepting_gibberish() -> Iterator[None]:
