@@ -49,9 +49,21 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     """
     messages = validate_messages(messages)
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return encode_text(tokenizer, messages[-1]["content"])
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    """``messages`` through the model's chat template, as text. Some templates refuse what they were not
+    trained on (Gemma's and early Mistral's a system message, others turns that do not alternate): that is
+    a :class:`PromptError` with the template's own reason, not a traceback from its engine."""
+    from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+    try:
+        return str(tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt))
+    except TemplateError as exc:
+        raise PromptError(f"the model's chat template refuses these messages: {exc}") from None
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

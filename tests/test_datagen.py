@@ -422,3 +422,29 @@ def test_code_prompts_script(tmp_path: Path) -> None:
                         "no documented public functions")):
         proc = run(*args)
         assert proc.returncode != 0 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_template_that_refuses_system_messages(tiny_dirs, tmp_path: Path, permissive, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Gemma's and early Mistral's templates raise on a system message: the prompt is refused in one line naming the
+    template's reason, and Magpie writes its user prompts unsteered instead of failing."""
+    from moaspec.chat import chat_messages, encode_chat
+    from moaspec.cli import main
+    from moaspec.errors import PromptError
+    from moaspec.models import load_model_dir
+    from moaspec.training.datagen import steering
+    from tiny import CHAT_TEMPLATE
+
+    refusing = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+                + CHAT_TEMPLATE)
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"], model_dir)
+    (model_dir / "chat_template.jinja").write_text(refusing)
+    target = load_model_dir(model_dir, device="cpu")
+    with pytest.raises(PromptError, match="chat template refuses these messages: System role not supported"):
+        encode_chat(target.tokenizer, chat_messages("hi", system="Be brief."))
+    assert encode_chat(target.tokenizer, chat_messages("hi"))  # without a system message it renders
+    assert steering(target.tokenizer, "code") == []
+    manifest = generate_dataset(target, tmp_path / "data", CFG, progress=False)
+    assert sum(s["records"] for s in manifest["shards"]) >= CFG.examples
+    assert main(["generate", "hi", "--system", "Be brief.", "--model", str(model_dir)]) == 2
+    assert "System role not supported" in capsys.readouterr().err

@@ -3,7 +3,7 @@
 No dataset can be downloaded here, and a drafter should learn the target's own
 distribution anyway. So the instruct model writes the user prompts: given its chat
 template up to the start of a user turn (after a system message that steers it to a
-task family), it samples what a user would say. It then answers each prompt with the
+task family, where the template takes one), it samples what a user would say. It then answers each prompt with the
 deployment template (no system message), greedily or by sampling. Summarisation and
 questions about a passage paste one of those answers under an instruction, so the set
 holds long contexts too. Some conversations get a second, model-written user turn and
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from moaspec.chat import encode_chat
+from moaspec.chat import encode_chat, render_chat
 from moaspec.decoding.batched import Request, generate_many
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.vanilla import stop_token_ids
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, PromptError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.progress import progress_bar
@@ -96,8 +96,19 @@ class DataConfig:
 
 def pre_query_prefix(tokenizer: Any, history: list[dict[str, str]]) -> str:
     """The chat template rendered up to the start of the next user message (Magpie)."""
-    text = tokenizer.apply_chat_template(history + [{"role": "user", "content": PLACEHOLDER}], tokenize=False)
+    text = render_chat(tokenizer, history + [{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=False)
     return text[: text.index(PLACEHOLDER)]
+
+
+def steering(tokenizer: Any, task: str) -> list[dict[str, str]]:
+    """The history a user prompt of ``task`` is written after: a system message that asks for one, or nothing
+    where the template refuses system messages (the model then chooses its prompts' subjects itself)."""
+    history = [{"role": "system", "content": TASKS[task]}]
+    try:
+        pre_query_prefix(tokenizer, history)
+    except PromptError:
+        return []
+    return history
 
 
 def normalise(query: str) -> str:
@@ -238,7 +249,7 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str],
         for turns in user.prompts[written_before: written_before + len(written)]:
             add_conversation(USER_TASK, turns[0], turns[1:])
     else:
-        for task, query in zip(written, write_queries([[{"role": "system", "content": TASKS[t]}] for t in written])):
+        for task, query in zip(written, write_queries([steering(tok, t) for t in written])):
             if query is not None:
                 add_conversation(task, query)
     answer(list(range(len(convs))), 0)
