@@ -173,8 +173,6 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             for name, part in zip("qkv", state[b + "attn.qkv.bias"].split((q, kv, kv))):
                 out[p + f"self_attn.{name}_proj.bias"] = part
         out[p + "self_attn.o_proj.weight"] = state[b + "attn.o.weight"]
-        if cfg.qk_norm:
-            out[p + "self_attn.q_norm.weight"], out[p + "self_attn.k_norm.weight"] = state[b + "attn.q_norm"], state[b + "attn.k_norm"]
         gate, up = state[b + "mlp.gate_up.weight"].split(cfg.intermediate_size)
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
         out[p + "mlp.down_proj.weight"] = state[b + "mlp.down.weight"]
