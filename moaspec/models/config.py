@@ -20,14 +20,14 @@ from moaspec.errors import ModelLoadError
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE scalings that give every position a fixed rotation; "dynamic" NTK and "longrope" change
 # the rotations with the sequence's length, which a cache of already rotated keys cannot follow
-SUPPORTED_ROPE_SCALINGS = ("linear", "llama3", "yarn")
-# the parameters each scaling reads (besides its type), with the defaults transformers gives them
+# (their parameters besides the type, with the defaults transformers gives them)
 ROPE_SCALING_KEYS: dict[str, dict[str, float | bool | None]] = {
     "linear": {"factor": None},
     "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None, "original_max_position_embeddings": None},
     "yarn": {"factor": None, "original_max_position_embeddings": None, "attention_factor": None, "beta_fast": 32.0,
              "beta_slow": 1.0, "mscale": None, "mscale_all_dim": None, "truncate": True},
 }
+SUPPORTED_ROPE_SCALINGS = tuple(ROPE_SCALING_KEYS)
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # added after drafters had been shipped: left out of to_dict at their defaults, so that the
-    # fingerprints of models without them (which hash to_dict) stay what they were
+    # added after drafters had been shipped: left out of to_dict (and so of identity, which the
+    # fingerprint hashes) at their defaults, so that the fingerprints of models without them stay what they were
     rope_scaling: dict[str, Any] | None = None
     qk_norm: bool = False
     # EOS ids that only generation_config.json names (the first release of Llama-3-8B-Instruct's

@@ -128,9 +128,8 @@ def refuse_unreadable_rope(gguf: Path) -> None:
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ModelLoadError(f"{gguf} scales its RoPE per dimension (a rope_freqs tensor, as Llama 3.1 and later have), "
                              "which transformers' GGUF reader drops: load the model's Hugging Face directory instead")
-    kinds = [str(f.contents()) for name, f in reader.fields.items() if name.endswith(".rope.scaling.type")]
-    for kind in kinds:
-        if kind != "none":
+    for name, field in reader.fields.items():
+        if name.endswith(".rope.scaling.type") and (kind := str(field.contents())) != "none":
             raise ModelLoadError(f"{gguf} scales its RoPE ({kind}), which transformers' GGUF reader drops: load the "
                                  "model's Hugging Face directory instead")
 

@@ -428,17 +428,21 @@ class Trainer:
         assert self.feature_dirs is not None
         todo = [0] * len(self.feature_dirs)
         for ex in (*self.train_set, *self.val_set):
-            if not (self.feature_dirs[ex.source] / f"{ex.key}.safetensors").is_file():
+            if not self._feature_file(ex.source, ex.key).is_file():
                 todo[ex.source] += len(ex.tokens)
         for directory, tokens in zip(self.feature_dirs, todo):
             warning = room_warning(directory, tokens, self.target.cfg, self.cfg.tli_layers)
             if warning:
                 print(f"moaspec train: {warning}", file=sys.stderr)
 
+    def _feature_file(self, source: int, key: str) -> Path:
+        """Where an example's cached features live: beside the data directory it came from."""
+        assert self.feature_dirs is not None
+        return self.feature_dirs[source] / f"{key}.safetensors"
+
     def target_features(self, batch: Batch) -> TargetOut:
         """The target's features for ``batch``, cached beside the data each example came from."""
-        files = [None if self.feature_dirs is None else self.feature_dirs[s] / f"{k}.safetensors"
-                 for s, k in zip(batch.sources, batch.keys)]
+        files = [None if self.feature_dirs is None else self._feature_file(s, k) for s, k in zip(batch.sources, batch.keys)]
         return self.features.features(batch.tokens, batch.lengths, files)
 
     def micro_batch(self, batch: Batch, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
