@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moaspec.models import causal_mask, load_model_dir, tree_mask
+from moaspec.models import causal_mask, load_model_dir, transformer, tree_mask
 from moaspec.models.packed_linear import bf16_kernels
 
 FAMILIES = ["llama", "qwen2", "mistral"]
@@ -198,6 +198,65 @@ def test_sliding_window_matches_transformers(tmp_path) -> None:  # type: ignore[
     cache = ours.new_cache(64)
     got = torch.cat([ours(ids[:, :20], cache).logits] + [ours(ids[:, i:i + 1], cache).logits for i in range(20, 30)], 1)
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_causal_forward_runs_in_chunks_as_one_pass(pairs, family: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A prefill longer than the chunk (7 here, 256 on a CPU) runs in chunks: logits, captured layers, the final
+    state and every cached K/V equal transformers' one-shot forward, and the cache continues from them."""
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 7)
+    ours, hf = pairs[family]
+    L = ours.cfg.num_layers
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(12))
+    cache = ours.new_cache(64)
+    calls = []
+    monkeypatch.setattr(ours, "run_blocks", lambda h, *a, _run=ours.run_blocks, **k: calls.append(h.shape[1]) or _run(h, *a, **k))
+    out = ours(ids[:, :33], cache, hidden_after=(1, L))
+    assert calls == [7, 7, 7, 7, 5] and cache.length == 33
+    nxt = ours(ids[:, 33:], cache).logits  # 7 tokens after the chunked prefill: one more chunk
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True, use_cache=True)
+    torch.testing.assert_close(torch.cat([out.logits, nxt], 1), ref.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.layer_hidden[1], ref.hidden_states[1][:, :33], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.hidden, ref.hidden_states[L][:, :33], atol=1e-4, rtol=0)
+    for layer in range(L):
+        keys = ref.past_key_values.layers[layer].keys  # [1, kv heads, T, D]
+        torch.testing.assert_close(cache.keys[layer][..., :40, :], keys, atol=1e-4, rtol=0)
+
+
+def test_chunked_prefill_keeps_a_sliding_window(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Chunks past the window of a Mistral-style model each hide the keys the window hides."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny import make_tiny_model
+
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 5)
+    path = make_tiny_model(tmp_path / "mistral-sw", "mistral", sliding_window=8)
+    ours = load_model_dir(path, device="cpu", with_tokenizer=False).model
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(13))
+    torch.testing.assert_close(ours(ids, ours.new_cache(32)).logits, hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_a_failed_forward_leaves_the_cache_as_it_was(pairs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An error (or Ctrl-C) in a later chunk of a prefill leaves the cache's length where it started, so the
+    cache never claims a half-processed prompt."""
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 4)
+    ours, _ = pairs["llama"]
+    cache = ours.new_cache(32)
+    ours(torch.zeros(1, 3, dtype=torch.long), cache)
+    calls = []
+
+    def failing(h, *args, _run=ours.run_blocks, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return _run(h, *args, **kwargs)
+
+    monkeypatch.setattr(ours, "run_blocks", failing)
+    with pytest.raises(KeyboardInterrupt):
+        ours(torch.zeros(1, 10, dtype=torch.long), cache)
+    assert cache.length == 3
 
 
 def test_logits_at_selects_positions(pairs) -> None:  # type: ignore[no-untyped-def]

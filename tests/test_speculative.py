@@ -12,10 +12,12 @@ from moaspec.decoding.proposer import Proposal
 from moaspec.decoding.sampling import probabilities, sample
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.verify import verify_greedy, verify_sampling
+from moaspec.drafters import moa
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer
+from moaspec.models import transformer
 from moaspec.models.kv_cache import KVCache
 
 
@@ -117,6 +119,38 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
         assert sum(got.accepted_lengths) >= len(got.token_ids) - 1
         if kind in ("oracle", "independent-whole"):  # every draft is the target's own token
             assert got.tau > min(draft_len, 3)  # all drafts accepted except at the budget's end
+
+
+@pytest.mark.parametrize("kind", ["moa", "moa-tli1", "moa-final", "eagle", "independent"])
+def test_long_prompts_run_in_chunks_and_draft_as_in_one_pass(tiny_llama, kind: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The target's prefill, the memory entries and the drafter's catch-up on a prompt run in chunks (5, 3
+    and 5 tokens here; 256, 128 and 256 on a CPU): the drafter drafts what it drafts in one pass, and greedy
+    decoding stays the target's."""
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    make = {"moa": lambda: moa_proposer(tiny_llama), "moa-tli1": lambda: moa_proposer(tiny_llama, tli=1),
+            "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
+            "eagle": lambda: eagle_proposer(tiny_llama), "independent": lambda: independent_proposer(tiny_llama)}[kind]
+    prompt = torch.randint(0, tiny_llama.cfg.vocab_size, (41,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def drafts() -> tuple[list[int], list[torch.Tensor]]:
+        """The drafts after the prompt, and the drafter's caches of the prompt (SA's and the memory's; its own)."""
+        cache = model.new_cache(64)
+        out = model(torch.tensor([prompt[:-1]]), cache)
+        proposer = make()
+        proposer.begin(cache, out.hidden[0])
+        tokens = proposer.propose(prompt, 4, SamplingParams(), None).tokens.tolist()
+        own = [proposer.state.sa, proposer.state.memory] if kind.startswith("moa") else [proposer.own]
+        return tokens, [c.keys[..., :40, :].clone() for c in own] + [cache.keys[..., :40, :].clone()]
+
+    whole, whole_caches = drafts()
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 5)
+    monkeypatch.setattr(moa, "LSA_CHUNK", 3)
+    chunked, chunked_caches = drafts()
+    assert chunked == whole
+    for a, b in zip(chunked_caches, whole_caches, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    cfg = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    assert generate_chain(model, tok, make(), prompt, cfg, draft_len=3).token_ids == generate(model, tok, prompt, cfg).token_ids
 
 
 def test_a_chain_ends_at_the_first_later_draft_below_the_confidence(tiny_llama) -> None:  # type: ignore[no-untyped-def]

@@ -21,7 +21,6 @@ from moaspec.drafters.layers import DecoderLayer, check_widths
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
-from moaspec.models.transformer import causal_mask
 
 
 @dataclass(frozen=True)
@@ -108,8 +107,6 @@ class EagleDrafter(Drafter):
         start = cache.length
         T = tokens.shape[1]
         cos, sin = self.rope(positions)
-        if mask is None and T > 1:
-            mask = causal_mask(start, T, tokens.device)
         f = self.layer.self_attention(self.inputs(tokens, prev_features), cos, sin, mask,
                                       cache=(cache.keys[0], cache.values[0], start))
         cache.length = start + T

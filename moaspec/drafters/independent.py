@@ -26,7 +26,7 @@ from moaspec.drafters.layers import check_widths
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import hf_state_dict
-from moaspec.models.transformer import Block, Transformer, causal_mask, rms_norm
+from moaspec.models.transformer import Block, Transformer, causal_mask, prefill_chunk, rms_norm
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,13 @@ class IndependentDrafter(Drafter):
              outputs: int) -> torch.Tensor:
         """Feed ``tokens`` ``[1, T]`` after the cached ones; draft logits ``[1, outputs, K]`` of the last ``outputs``.
 
-        ``mask`` is bool ``[T, cache.length + T]`` (``None``: causal), as for tree drafting.
+        ``mask`` is bool ``[T, cache.length + T]`` (``None``: causal), as for tree drafting. A causal
+        feed of many tokens (catching up on a prompt) runs a chunk at a time, as the target's prefill does.
         """
-        f = self._run(tokens, cache, positions, mask)
-        return self.head(f[:, tokens.shape[1] - outputs :])
+        T = tokens.shape[1]
+        step = max(T, 1) if mask is not None else prefill_chunk(tokens.device)
+        f = [self._run(tokens[:, a : a + step], cache, positions[..., a : a + step], mask) for a in range(0, max(T, 1), step)]
+        return self.head(torch.cat(f, dim=1)[:, T - outputs :] if len(f) > 1 else f[0][:, T - outputs :])
 
 
 def to_hf_llama(drafter: IndependentDrafter) -> Any:

@@ -19,7 +19,7 @@ from torch import nn
 
 from moaspec.errors import MoaspecError
 from moaspec.models.packed_linear import Linear
-from moaspec.models.transformer import apply_rope, rms_norm
+from moaspec.models.transformer import apply_rope, causal_mask, prefill_chunk, rms_norm
 from moaspec.validation import whole_number
 
 
@@ -104,7 +104,26 @@ class DecoderLayer(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
         """``x`` attends to itself; with ``cache = (keys, values, start)`` its K/V are written at ``start``
-        and the queries see every cached position before them (``mask`` then covers ``start + T`` keys)."""
+        and the queries see every cached position before them (``mask`` then covers ``start + T`` keys).
+
+        With a cache and no ``mask`` the attention is causal, and a long ``x`` (a drafter catching
+        up on a prompt) runs a chunk of :func:`prefill_chunk` tokens at a time, as the target's
+        prefill does, instead of under one ``[T, T]`` mask. Training passes masks and no cache.
+        """
+        if cache is not None and mask is None:
+            keys, values, start = cache
+            T, step = x.shape[1], prefill_chunk(x.device)
+            if T > 1:
+                out = [self._self_attention(x[:, a : a + step], cos[..., a : a + step, :], sin[..., a : a + step, :],
+                                            causal_mask(start + a, min(step, T - a), x.device), (keys, values, start + a))
+                       for a in range(0, T, step)]
+                return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+        return self._self_attention(x, cos, sin, mask, cache)
+
+    def _self_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None,
+    ) -> torch.Tensor:
         h = self.attn_norm(x)
         k, v = self.attn.keys_values(h, cos, sin)
         if cache is not None:

@@ -33,6 +33,10 @@ from moaspec.models.transformer import Transformer, causal_mask, rope_tables
 # "lsa": the paper's memory; "last-layer": the target's final states instead (the ablation without LSA);
 # "lsa+final": both, summed (an extension: the newest entry then carries the target's own next-token state)
 MEMORY_SOURCES = ("lsa", "last-layer", "lsa+final")
+# Verified tokens whose memory entries are made in one pass. On SmolLM2 (2 CPU cores) an 8,000-token
+# prompt's, all at once, took 4.2 s and held 1.1 GiB beside the target's prefill; 4,000 tokens' took
+# 0.24 s in chunks of 128 (the same entries), 0.59 s in chunks of 512, 2.0 s at once (BENCHMARKS.md, "Long prompts")
+LSA_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -230,8 +234,15 @@ class MoADrafter(Drafter):
                 raise ValueError(f"a MoA drafter with memory {self.cfg.memory_source!r} needs the target's final "
                                  "states of the newly verified tokens")
             final = hidden[hidden.shape[0] - (end - start) :][None]
-        token_kv = target_cache.token_kv(start, end) if self.uses_lsa else None
-        return self.memory(token_kv, final, torch.arange(start, end, device=target_cache.keys.device))[0]
+        # LSA reads each token's layers alone, so a long prompt's entries are made a chunk of tokens at a
+        # time: its L layer tokens per token would otherwise hold L times a target layer's activations
+        entries = []
+        for a in range(start, max(end, start + 1), LSA_CHUNK):
+            b = min(end, a + LSA_CHUNK)
+            token_kv = target_cache.token_kv(a, b) if self.uses_lsa else None
+            piece = None if final is None else final[:, a - start : b - start]
+            entries.append(self.memory(token_kv, piece, torch.arange(a, b, device=target_cache.keys.device))[0])
+        return entries[0] if len(entries) == 1 else torch.cat(entries)
 
     def predict(self, s: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor | int, mem_k: torch.Tensor,
                 mem_v: torch.Tensor, mask: torch.Tensor | None, latest: torch.Tensor | None) -> torch.Tensor:
@@ -347,8 +358,6 @@ class MoADrafter(Drafter):
         T = tokens.shape[1]
         cos, sin = self.rope(positions)
         x = self.target.embed(tokens).to(cos.dtype)
-        if sa_mask is None and T > 1:
-            sa_mask = causal_mask(start, T, tokens.device)
         s = self.sa.self_attention(x, cos, sin, sa_mask, cache=(state.sa.keys[0], state.sa.values[0], start))
         state.sa.length = start + T
         n = state.memory.length
