@@ -8,8 +8,10 @@ main job's tree decoding on prompts of several lengths both ways, each run in a 
 to the last of ``--new-tokens`` tokens (which adds the drafter taking in the prompt, then decoding),
 the peak resident memory above what the process held before the prompt (sampled every 2 ms), and
 whether the two generated the same tokens. The prompts are this repository's own documentation, cut to length.
+``--transformers`` also times transformers' own forward of each prompt (the prefill of its
+``generate``, SDPA attention, logits of the last position only), in a process of its own.
 
-    .venv/bin/python benchmarks/long_prompt.py --lengths 1000,2000,4000,8000 --threads 2
+    .venv/bin/python benchmarks/long_prompt.py --lengths 1000,2000,4000,8000 --threads 2 [--transformers]
 """
 
 from __future__ import annotations
@@ -60,10 +62,36 @@ print(json.dumps({"prefill_s": result["prefill_s"], "total_s": result["total_s"]
 """
 
 
+HF_CHILD = r"""
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+from moaspec.models import load_model
+
+length, threads = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(threads)
+lm = load_model(None, device="cpu")
+hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32).eval()
+text = "".join(p.read_text() for p in sorted(__import__("pathlib").Path(sys.argv[3]).glob("*.md")))
+ids = torch.tensor([lm.tokenizer.encode(text)[:length]])
+with torch.no_grad():
+    hf(ids[:, :64], logits_to_keep=1)  # warm-up
+    start = time.perf_counter()
+    hf(ids, logits_to_keep=1)
+print(json.dumps({"prefill_s": time.perf_counter() - start}))
+"""
+
+
 def run(length: int, mode: str, threads: int, new_tokens: int) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, str(length), mode, str(threads), str(new_tokens), str(REPO)],
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def run_transformers(length: int, threads: int) -> float:
+    out = subprocess.run([sys.executable, "-c", HF_CHILD, str(length), str(threads), str(REPO)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["prefill_s"]
 
 
 def main() -> None:
@@ -71,6 +99,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="1000,2000,4000,8000", help="prompt lengths in tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--transformers", action="store_true", help="also time transformers' forward of each prompt")
     ap.add_argument("--output", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
     rows = []
@@ -84,8 +113,12 @@ def main() -> None:
         same = got["chunked"]["tokens"] == got["one-pass"]["tokens"]
         print(f"{'':>7} one-pass / chunked: prefill {got['one-pass']['prefill_s'] / got['chunked']['prefill_s']:.2f}x, "
               f"memory {got['one-pass']['peak_mib'] / max(got['chunked']['peak_mib'], 1):.1f}x; same tokens: {same}")
-        rows.append({"length": length, **{m: {k: v for k, v in r.items() if k != "tokens"} for m, r in got.items()},
-                     "same_tokens": same})
+        row = {"length": length, **{m: {k: v for k, v in r.items() if k != "tokens"} for m, r in got.items()},
+               "same_tokens": same}
+        if args.transformers:
+            row["transformers_prefill_s"] = hf = run_transformers(length, args.threads)
+            print(f"{'':>7} transformers' prefill {hf:.2f} s: {hf / got['chunked']['prefill_s']:.2f}x the chunked one's")
+        rows.append(row)
     if args.output:
         from moaspec.fileio import atomic_write_text
 
