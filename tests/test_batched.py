@@ -9,6 +9,7 @@ from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.batched import Request, generate_many
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.models import transformer
 
 
 def _prompts(lm, lengths):  # type: ignore[no-untyped-def]
@@ -29,6 +30,17 @@ def test_greedy_batch_equals_single_generation(tiny_llama, batch_size, refill_be
         single = generate(lm.model, lm.tokenizer, p, GenerationConfig(max_new_tokens=n))
         assert toks == single.token_ids
         assert stopped == (single.finish_reason == "eos")
+
+
+def test_long_prompts_prefilled_in_chunks_into_their_rows(tiny_llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each prompt is prefilled alone into its row of the batch's cache, in chunks (4 tokens here) when it is
+    long: the rows still decode as one-by-one generation does."""
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 4)
+    lm = tiny_llama
+    prompts = _prompts(lm, (13, 3, 22))
+    batch = generate_many(lm.model, [Request(p, 12) for p in prompts], set(), batch_size=3)
+    for p, (toks, _) in zip(prompts, batch):
+        assert toks == generate(lm.model, lm.tokenizer, p, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
 
 
 def test_rows_finish_independently(tiny_llama) -> None:  # type: ignore[no-untyped-def]
