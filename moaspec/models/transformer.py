@@ -374,7 +374,7 @@ class Transformer(nn.Module):
 
 # New tokens per block pass in a causal forward, by device type. On this CPU (2 cores, SmolLM2) an
 # 8,000-token prefill took 37 s in one pass, 22 s in chunks of 256 (no faster in 128 or 1,024) and held
-# 45 MiB of activations instead of 441 (BENCHMARKS.md, "Long prompts"). Elsewhere (a GPU, not measured
+# 24 MiB of activations instead of 441 (BENCHMARKS.md, "Long prompts"). Elsewhere (a GPU, not measured
 # here) larger chunks keep the device busy while still bounding the mask and activations.
 PREFILL_CHUNKS = {"cpu": 256}
 DEFAULT_PREFILL_CHUNK = 2048
