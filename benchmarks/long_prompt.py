@@ -10,8 +10,12 @@ the peak resident memory above what the process held before the prompt (sampled 
 whether the two generated the same tokens. The prompts are this repository's own documentation, cut to length.
 ``--transformers`` also times transformers' own forward of each prompt (the prefill of its
 ``generate``, SDPA attention, logits of the last position only), in a process of its own.
+``--training B,S`` instead times what training computes on the fly, the target's pass over a
+batch of B sequences of S tokens that yields every layer's K/V and the final states
+(``moaspec.training.features.target_pass``), chunked and in one pass, alternating, in one process.
 
     .venv/bin/python benchmarks/long_prompt.py --lengths 1000,2000,4000,8000 --threads 2 [--transformers]
+    .venv/bin/python benchmarks/long_prompt.py --training 4,1024 --threads 2
 """
 
 from __future__ import annotations
@@ -94,14 +98,48 @@ def run_transformers(length: int, threads: int) -> float:
     return json.loads(out.strip().splitlines()[-1])["prefill_s"]
 
 
+def training_pass(batch: int, length: int, threads: int, repeats: int = 3) -> None:
+    """Time the training features' target pass, chunked and in one pass (see the module's docstring)."""
+    import time
+
+    import torch
+
+    from moaspec.models import load_model, transformer
+    from moaspec.training.features import target_pass
+
+    torch.set_num_threads(threads)
+    lm = load_model(None, device="cpu")
+    ids = lm.tokenizer.encode("".join(p.read_text() for p in sorted(REPO.glob("*.md"))))
+    tokens = torch.tensor([ids[i * length : (i + 1) * length] for i in range(batch)])
+    chunk = transformer.PREFILL_CHUNKS["cpu"]
+    target_pass(lm.model, tokens, 0)  # warm-up
+    seconds: dict[str, list[float]] = {"chunked": [], "one-pass": []}
+    for _ in range(repeats):
+        for mode in seconds:
+            transformer.PREFILL_CHUNKS["cpu"] = chunk if mode == "chunked" else 1 << 30
+            start = time.perf_counter()
+            target_pass(lm.model, tokens, 0)
+            seconds[mode].append(time.perf_counter() - start)
+    for mode, times in seconds.items():
+        best = min(times)
+        print(f"{batch} x {length} tokens, {mode:>9}: best of {repeats} {best:.2f} s, {batch * length / best:,.0f} tokens/s")
+    print(f"one-pass / chunked: {min(seconds['one-pass']) / min(seconds['chunked']):.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="1000,2000,4000,8000", help="prompt lengths in tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--transformers", action="store_true", help="also time transformers' forward of each prompt")
+    ap.add_argument("--training", default=None, metavar="B,S",
+                    help="time training's target pass over B sequences of S tokens instead")
     ap.add_argument("--output", default=None, help="also write the results here as JSON")
     args = ap.parse_args()
+    if args.training:
+        batch, length = (int(n) for n in args.training.split(","))
+        training_pass(batch, length, args.threads)
+        return
     rows = []
     print(f"{'tokens':>7} {'mode':>9} {'prefill s':>10} {f'to token {args.new_tokens} s':>16} {'peak MiB':>9}")
     for i, length in enumerate(int(n) for n in args.lengths.split(",")):
