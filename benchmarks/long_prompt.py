@@ -7,7 +7,8 @@ main job's tree decoding on prompts of several lengths both ways, each run in a 
 (alternating which goes first), and prints per length: the target's prefill in seconds, the time
 to the last of ``--new-tokens`` tokens (which adds the drafter taking in the prompt, then decoding),
 the peak resident memory above what the process held before the prompt (sampled every 2 ms), and
-whether the two generated the same tokens. The prompts are this repository's own documentation, cut to length.
+whether the two generated the same tokens. The prompts are this repository's own Markdown, cut to length
+(so their text changes as the files do; their lengths do not).
 ``--transformers`` also times transformers' own forward of each prompt (the prefill of its
 ``generate``, SDPA attention, logits of the last position only), in a process of its own.
 ``--training B,S`` instead times what training computes on the fly, the target's pass over a
@@ -26,11 +27,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def document_ids(tokenizer: object, length: int) -> list[int]:
+    """The first ``length`` token ids of this repository's Markdown files, read in name order."""
+    text = "".join(p.read_text() for p in sorted(REPO.glob("*.md")))
+    return tokenizer.encode(text)[:length]  # type: ignore[attr-defined]
+
 
 CHILD = r"""
 import json, sys, threading, time
 import psutil, torch
+sys.path.insert(0, sys.argv[5])
+from long_prompt import document_ids
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
@@ -44,8 +55,7 @@ if mode == "one-pass":
     moa.LSA_CHUNK = 1 << 30
 lm = load_model(None, device="cpu")
 strategy = Strategy(load_drafter(str(shipped_drafter(lm)), lm), tree=TreeShape())
-text = "".join(p.read_text() for p in sorted(__import__("pathlib").Path(sys.argv[5]).glob("*.md")))
-ids = lm.tokenizer.encode(text)[:length]
+ids = document_ids(lm.tokenizer, length)
 strategy.run(lm, ids[:64], GenerationConfig(max_new_tokens=8))  # warm-up: kernels chosen, caches made
 process = psutil.Process()
 before, peak, running = process.memory_info().rss, [0], [True]
@@ -69,6 +79,8 @@ print(json.dumps({"prefill_s": result["prefill_s"], "total_s": result["total_s"]
 HF_CHILD = r"""
 import json, sys, time
 import torch
+sys.path.insert(0, sys.argv[3])
+from long_prompt import document_ids
 from transformers import AutoModelForCausalLM
 from moaspec.models import load_model
 
@@ -76,8 +88,7 @@ length, threads = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(threads)
 lm = load_model(None, device="cpu")
 hf = AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32).eval()
-text = "".join(p.read_text() for p in sorted(__import__("pathlib").Path(sys.argv[3]).glob("*.md")))
-ids = torch.tensor([lm.tokenizer.encode(text)[:length]])
+ids = torch.tensor([document_ids(lm.tokenizer, length)])
 with torch.no_grad():
     hf(ids[:, :64], logits_to_keep=1)  # warm-up
     start = time.perf_counter()
@@ -87,13 +98,13 @@ print(json.dumps({"prefill_s": time.perf_counter() - start}))
 
 
 def run(length: int, mode: str, threads: int, new_tokens: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(length), mode, str(threads), str(new_tokens), str(REPO)],
+    out = subprocess.run([sys.executable, "-c", CHILD, str(length), mode, str(threads), str(new_tokens), str(HERE)],
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def run_transformers(length: int, threads: int) -> float:
-    out = subprocess.run([sys.executable, "-c", HF_CHILD, str(length), str(threads), str(REPO)],
+    out = subprocess.run([sys.executable, "-c", HF_CHILD, str(length), str(threads), str(HERE)],
                          capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["prefill_s"]
 
@@ -109,7 +120,7 @@ def training_pass(batch: int, length: int, threads: int, repeats: int = 3) -> No
 
     torch.set_num_threads(threads)
     lm = load_model(None, device="cpu")
-    ids = lm.tokenizer.encode("".join(p.read_text() for p in sorted(REPO.glob("*.md"))))
+    ids = document_ids(lm.tokenizer, batch * length)
     tokens = torch.tensor([ids[i * length : (i + 1) * length] for i in range(batch)])
     chunk = transformer.PREFILL_CHUNKS["cpu"]
     target_pass(lm.model, tokens, 0)  # warm-up
