@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,31 +23,19 @@ from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters.base import Drafter
 from moaspec.models import load_model
+from moaspec.models.loading import LoadedModel
 from moaspec.specbench import load_questions
 from rss import rss_mb, rss_summary  # benchmarks/rss.py, beside this script
+from served import serving
 
 SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbench"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--seconds", type=float, default=300)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--port", type=int, default=8795)
-    ap.add_argument("--questions", default=str(SPECBENCH))
-    ap.add_argument("--output", default=None)
-    args = ap.parse_args()
-
-    target = load_model()
-    drafter = load_drafter(shipped_drafter(target), target)
-    eos = stop_token_ids(target.model, target.tokenizer)
-    prompts = [encode_chat(target.tokenizer, chat_messages(q.turns[0])) for q in load_questions(args.questions)]
-    server = subprocess.Popen([sys.executable, "-m", "moaspec.cli", "serve", "--port", str(args.port), "--no-draft",
-                               "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
-    if "serving" not in (line := server.stderr.readline()):  # type: ignore[union-attr]
-        sys.exit(f"server did not start: {line}")
+def stress(args: argparse.Namespace, server_pid: int, drafter: Drafter, target: LoadedModel, eos: set[int],
+           prompts: list[list[int]]) -> dict:
+    """Run the clients against the server on ``args.port`` until the time is up; the figures."""
     url = f"http://127.0.0.1:{args.port}"
     failures: list[str] = []
     done: list[int] = []
@@ -78,17 +64,33 @@ def main() -> None:
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
-        memory.append(rss_mb(server.pid))
+        memory.append(rss_mb(server_pid))
         time.sleep(2)
     wall = time.perf_counter() - t0
-    server.terminate()
-    server.wait(30)
-    result = {
+    return {
         "clients": args.clients, "seconds": round(wall, 1), "generations": len(done), "failures": len(failures),
         "failure_examples": failures[:5], "tokens": sum(done), "tokens_per_s": round(sum(done) / wall, 2),
         "server_rss_mb": rss_summary(memory),
         "server_rss_samples_mb": [round(m) for m in memory],  # every 2 s
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=300)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--port", type=int, default=8795)
+    ap.add_argument("--questions", default=str(SPECBENCH))
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+
+    target = load_model()
+    drafter = load_drafter(shipped_drafter(target), target)
+    eos = stop_token_ids(target.model, target.tokenizer)
+    prompts = [encode_chat(target.tokenizer, chat_messages(q.turns[0])) for q in load_questions(args.questions)]
+    with serving(args.port, ["--no-draft"]) as server:
+        result = stress(args, server.pid, drafter, target, eos, prompts)
     print(json.dumps(result, indent=2))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

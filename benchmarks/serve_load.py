@@ -16,15 +16,15 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import openai
 
 from moaspec.specbench import load_questions
 from rss import rss_mb, rss_summary  # benchmarks/rss.py, beside this script
+from served import serving
 
 SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbench"
 
@@ -101,25 +101,12 @@ def main() -> None:
     ap.add_argument("--output", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     prompts = [q.turns[0] for q in load_questions(args.questions)]
-    server = None
-    url = args.url
-    if url is None:
-        cmd = [sys.executable, "-m", "moaspec.cli", "serve", "--port", str(args.port), "--log-level", "warning",
-               *args.serve_args.split()]
-        server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        line = server.stderr.readline()  # type: ignore[union-attr]  # "moaspec: serving ... on http://..."
-        if "serving" not in line:
-            sys.exit(f"server did not start: {line}{server.stderr.read()}")  # type: ignore[union-attr]
-        print(line.strip(), file=sys.stderr)
-        url = f"http://127.0.0.1:{args.port}"
-    model = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("MOASPEC_API_KEY", "unused")).models.list().data[0].id
-    try:
+    with ExitStack() as stack:
+        server = None if args.url else stack.enter_context(serving(args.port, args.serve_args.split()))
+        url = args.url or f"http://127.0.0.1:{args.port}"
+        model = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("MOASPEC_API_KEY", "unused")).models.list().data[0].id
         result = asyncio.run(run(url, model, prompts, args.clients, args.seconds, args.max_tokens,
                                  server.pid if server else None))
-    finally:
-        if server:
-            server.terminate()
-            server.wait(30)
     result.update({"model": model, "max_tokens": args.max_tokens, "serve_args": args.serve_args})
     print(json.dumps(result, indent=2, ensure_ascii=False))
     if args.output:

@@ -485,7 +485,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.show_drafts and not args.json and (strategy.drafter is not None or strategy.lookup):
         print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)
     result = strategy.run(loaded, ids, config, on_text=None if args.json else stream,
-                          on_piece=coloured if args.show_drafts and not args.json else None)
+                          on_piece=coloured if args.show_drafts and not args.json else None,
+                          on_prefill=None if args.json else _prefill_bar(len(ids)))
     if args.json:
         print(json.dumps({**result.to_dict(), "decoding": strategy.describe(), "tuned_from": strategy.tuned_from},
                          ensure_ascii=False))
@@ -495,6 +496,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[moaspec: stopped after {result.new_tokens} tokens: the model's context window "
                   f"({loaded.cfg.max_position_embeddings} tokens) is full]", file=sys.stderr)
     return 0
+
+
+PREFILL_BAR_TOKENS = 2048  # prompts this long take seconds to read on a CPU (7,800 tokens: 23 s, 2 cores)
+
+
+def _prefill_bar(prompt_tokens: int) -> Callable[[int, int], None] | None:
+    """A progress bar on a terminal while a long prompt is read, so the wait before the answer is not silent; it
+    disappears when the answer starts."""
+    if prompt_tokens < PREFILL_BAR_TOKENS or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(total=prompt_tokens, desc="reading the prompt", unit="tok", leave=False, file=sys.stderr, mininterval=0)
+
+    def update(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
 
 
 def _strategy(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,26 @@ def real_model():  # type: ignore[no-untyped-def]
     from moaspec.models import load_model
 
     return load_model(device="cpu")
+
+
+SLOW_CHUNK = 2  # tokens per prefill chunk under ``slow_prefill``: decoding steps are 1 token, chain verifications more
+
+
+@pytest.fixture()
+def slow_prefill(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> list[int]:  # type: ignore[no-untyped-def]
+    """``tiny_llama`` prefilling in chunks of 2 tokens, 50 ms each, as a long prompt on a real model would take
+    seconds; the list counts the chunks run (a server's abandoned prefill must stop adding to it)."""
+    from moaspec.models import transformer
+
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", SLOW_CHUNK)
+    model = tiny_llama.model
+    chunks: list[int] = []
+
+    def slow(h, *args, _run=model.run_blocks, **kwargs):  # type: ignore[no-untyped-def]
+        if h.shape[1] == SLOW_CHUNK:
+            chunks.append(1)
+            time.sleep(0.05)
+        return _run(h, *args, **kwargs)
+
+    monkeypatch.setattr(model, "run_blocks", slow)
+    return chunks

@@ -422,3 +422,33 @@ def test_a_full_or_read_only_disk_is_one_line_not_a_traceback(monkeypatch, capsy
     monkeypatch.setitem(cli.COMMANDS, "generate", reset)
     with pytest.raises(OSError):
         cli.main(["generate", "hi"])
+
+
+def test_a_long_prompt_is_read_under_a_progress_bar_on_a_terminal_only(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The bar follows the prefill chunk by chunk and is gone when the answer starts; off a terminal (pipes,
+    logs, --json) and for short prompts there is none."""
+    from moaspec import cli
+
+    class Terminal:
+        def __init__(self) -> None:
+            self.text = ""
+
+        def isatty(self) -> bool:
+            return True
+
+        def write(self, text: str) -> None:
+            self.text += text
+
+        def flush(self) -> None:
+            pass
+
+    assert cli._prefill_bar(10_000) is None  # stderr is pytest's capture here, not a terminal
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert cli._prefill_bar(cli.PREFILL_BAR_TOKENS - 1) is None
+    update = cli._prefill_bar(3000)
+    assert update is not None
+    update(2048, 3000)
+    assert "reading the prompt" in term.text and "2048/3000" in term.text
+    update(3000, 3000)
+    assert term.text.endswith("\r") and term.text.rstrip("\r").split("\r")[-1].strip() == ""  # then cleared

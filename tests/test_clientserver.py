@@ -469,6 +469,25 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
         assert cold.status_code == 200
 
 
+def test_a_client_that_gives_up_on_opening_a_session_stops_its_prefill(tiny_llama, drafter, slow_prefill) -> None:  # type: ignore[no-untyped-def]
+    """A client whose open times out (and would retry) leaves no prefill running for nobody and no session behind:
+    the server stops within a chunk, and the next open is served at once."""
+    with running(make_app(tiny_llama, drafter)) as url:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        prompt = [5 + i % 200 for i in range(240)]  # 120 chunks: 6 s of prefill
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=url + "/cs/v1", headers=auth, timeout=0.6) as http:
+            http.post("/sessions", json={"prompt": prompt})
+        with httpx.Client(base_url=url + "/cs/v1", headers=auth, timeout=30) as http:
+            seen, deadline = -1, time.time() + 5
+            while len(slow_prefill) != seen and time.time() < deadline:  # until no chunk ran for 0.3 s
+                seen = len(slow_prefill)
+                time.sleep(0.3)
+            assert 0 < len(slow_prefill) < 60 and http.get("/info").json()["open_sessions"] == 0
+            t0 = time.perf_counter()
+            assert http.post("/sessions", json={"prompt": PROMPT}).status_code == 200
+            assert time.perf_counter() - t0 < 3
+
+
 def test_repeated_ngrams_measure_loops() -> None:
     from moaspec.clientserver.bench import repeated_ngrams
 

@@ -259,6 +259,30 @@ def test_a_failed_forward_leaves_the_cache_as_it_was(pairs, monkeypatch) -> None
     assert cache.length == 3
 
 
+def test_on_chunk_follows_a_prefill_and_can_abandon_it(pairs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``on_chunk`` hears (done, total) after each chunk; raising from it stops the prefill there (a server whose
+    client has gone) and leaves the cache as it was."""
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 4)
+    ours, _ = pairs["llama"]
+    heard: list[tuple[int, int]] = []
+    cache = ours.new_cache(32)
+    ours(torch.zeros(1, 10, dtype=torch.long), cache, on_chunk=lambda done, total: heard.append((done, total)))
+    assert heard == [(4, 10), (8, 10), (10, 10)] and cache.length == 10
+
+    class Gone(Exception):
+        pass
+
+    def give_up(done: int, total: int) -> None:
+        heard.append((done, total))
+        if done >= 8:
+            raise Gone
+
+    heard.clear()
+    with pytest.raises(Gone):
+        ours(torch.zeros(1, 20, dtype=torch.long), cache, on_chunk=give_up)
+    assert heard == [(4, 20), (8, 20)] and cache.length == 10
+
+
 def test_logits_at_selects_positions(pairs) -> None:  # type: ignore[no-untyped-def]
     ours, _ = pairs["llama"]
     ids = torch.randint(0, ours.cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(9))

@@ -232,7 +232,7 @@ class Controlled:
     def describe(self) -> str:
         return "controlled"
 
-    def run(self, target, prompt_ids, config, on_text=None, on_piece=None):  # type: ignore[no-untyped-def]
+    def run(self, target, prompt_ids, config, on_text=None, on_piece=None, on_prefill=None):  # type: ignore[no-untyped-def]
         self.started.release()
         try:
             while not self.release.wait(0.01):
@@ -272,6 +272,29 @@ def test_over_capacity_gets_503_and_a_vanished_client_is_cancelled(tiny_llama) -
                 assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].endswith("done")
     finally:  # a failed check must not leave the worker ticking (pytest would wait for it at exit)
         strategy.release.set()
+        engine.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_gone_during_a_long_prefill_frees_the_slot_within_a_chunk(tiny_llama, slow_prefill, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """A long prompt's prefill is abandoned within one chunk of its client leaving, before any text was sent
+    (streaming) or while the response waits (not streaming), so the next request need not wait for it
+    (BENCHMARKS.md, "A client that leaves during a long prefill": 24 s of one slot before)."""
+    engine = Engine(tiny_llama, tiny_strategy(tiny_llama), parallel=1, max_queue=0)
+    prompt = [5 + i % 200 for i in range(240)]  # 120 chunks: 6 s of prefill
+    try:
+        with running(create_app(engine, MODEL)) as url:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
+            with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=url, timeout=0.6) as http:
+                http.post("/v1/completions", json=body)
+            deadline = time.time() + 5
+            while engine.load["running"] and time.time() < deadline:
+                time.sleep(0.02)
+            assert engine.load["running"] == 0 and 0 < len(slow_prefill) < 60
+            with httpx.Client(base_url=url, timeout=30) as http:  # the slot is free for the next client at once
+                ok = http.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    finally:
         engine.close()
 
 

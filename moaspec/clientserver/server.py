@@ -11,19 +11,24 @@
 Target forwards run on worker threads, at most ``workers`` at once (more would only
 share the same cores, and every extra thread grows the allocator's arenas), so a
 slow verification never blocks the event loop; requests beyond that wait their turn.
+A client that disconnects while its session's prompt is prefilled stops that prefill
+within one chunk (a client whose open timed out would otherwise have the server prefill
+its prompt once per retry).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from moaspec.clientserver.sessions import MAX_SUPPORT, SessionError, SessionStore
 from moaspec.decoding.sampling import SamplingParams
+from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.errors import APIError
 
 
@@ -88,9 +93,19 @@ def router(store: SessionStore, workers: int = 2) -> APIRouter:
         return store.info()
 
     @r.post("/sessions")
-    async def open_session(req: OpenRequest) -> dict[str, Any]:
-        return await _call(limiter, store.open, req.prompt, req.state, req.state_format, req.max_new_tokens,
-                           req.target_layers, req.drafter, req.sampling.params())
+    async def open_session(req: OpenRequest, request: Request) -> dict[str, Any]:
+        gone = threading.Event()
+
+        def check(*_: object) -> None:  # between the prefill's chunks, on the worker thread
+            if gone.is_set():
+                raise SessionError(499, "the client closed the connection")
+
+        try:
+            return await unless_disconnected(
+                _call(limiter, store.open, req.prompt, req.state, req.state_format, req.max_new_tokens,
+                      req.target_layers, req.drafter, req.sampling.params(), check), request)
+        finally:
+            gone.set()
 
     @r.post("/sessions/{sid}/verify")
     async def verify(sid: str, req: VerifyRequest) -> dict[str, Any]:

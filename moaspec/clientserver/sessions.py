@@ -44,7 +44,7 @@ from moaspec.drafters.moa import MoADrafter
 from moaspec.heap import release_free_memory
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
-from moaspec.models.transformer import tree_mask
+from moaspec.models.transformer import ChunkCallback, tree_mask
 
 MAX_SUPPORT = 64  # most tokens in one draft's distribution (the client sends its top 32)
 
@@ -152,13 +152,14 @@ class SessionStore:
     @torch.inference_mode()
     def open(self, prompt: Sequence[int], kind: str = "moa", fmt: str = "fp16",
              max_new_tokens: int | None = None, layers: int = 0, drafter: str | None = None,
-             sampling: SamplingParams = SamplingParams()) -> dict[str, Any]:
+             sampling: SamplingParams = SamplingParams(), on_prefill: ChunkCallback | None = None) -> dict[str, Any]:
         """Prefill ``prompt``; answer the session id, the first token and the prompt's state.
 
         ``layers``: how many of the target's last layers' K/V to send with every state;
         ``drafter``: the fingerprint of the client's MoA drafter (may be left out when the
         server holds only one); ``sampling``: how the session picks the target's tokens
-        (greedy by default).
+        (greedy by default); ``on_prefill``: follows the prefill chunk by chunk, and may raise
+        to abandon it (the session is then dropped).
         """
         lim = self.limits
         if not prompt:
@@ -188,7 +189,7 @@ class SessionStore:
         try:
             with s.lock:
                 out = self.target.model(torch.tensor([list(prompt)], device=self.target.model.device), cache,
-                                        logits_at=slice(-1, None))
+                                        logits_at=slice(-1, None), on_chunk=on_prefill)
                 first = select_token(out.logits[0, -1], sampling, s.generator)
                 s.tokens.append(first)
                 first_state = self._state_of(s, 0, len(prompt), out.hidden[0])

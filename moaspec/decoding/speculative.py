@@ -26,7 +26,7 @@ from moaspec.decoding.sampling import SamplingParams, probabilities, select_toke
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.models.kv_cache import KVCache
-from moaspec.models.transformer import Transformer
+from moaspec.models.transformer import ChunkCallback, Transformer
 
 # Tuned on this CPU with the shipped drafter (benchmarks/sweep.py, BENCHMARKS.md): with its
 # acceptance, longer chains cost more drafting than they save.
@@ -71,10 +71,12 @@ class Run:
 
 
 def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_ids: Sequence[int],
-          config: GenerationConfig, room: int, on_text: TextCallback | None, on_piece: PieceCallback | None) -> Run:
+          config: GenerationConfig, room: int, on_text: TextCallback | None, on_piece: PieceCallback | None,
+          on_prefill: ChunkCallback | None = None) -> Run:
     """Check the prompt, prefill it, pick the first token, and start the proposer.
 
-    ``room`` is how many positions past the budget a verification may write.
+    ``room`` is how many positions past the budget a verification may write; ``on_prefill``
+    follows the prefill chunk by chunk (see :meth:`Transformer.forward`).
     """
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
@@ -83,7 +85,8 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece)
     gen = config.sampling.generator(model.device)
     t0 = time.perf_counter()
-    out = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None))
+    out = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None),
+                on_chunk=on_prefill)
     tokens = list(prompt_ids) + [select_token(out.logits[0, -1], config.sampling, gen)]
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0)
     if not sink.push(tokens[-1:]):
@@ -100,13 +103,15 @@ def generate_chain(
     draft_len: int = DEFAULT_CHAIN,
     on_text: TextCallback | None = None,
     on_piece: PieceCallback | None = None,
+    on_prefill: ChunkCallback | None = None,
 ) -> GenerationResult:
     """Decode with chains of ``draft_len`` drafts per target forward.
 
     ``on_text`` streams the text; ``on_piece`` instead receives each piece with whether
-    it came from accepted drafts (``--show-drafts``).
+    it came from accepted drafts (``--show-drafts``); ``on_prefill`` follows the prompt's
+    prefill chunk by chunk.
     """
-    run = start(model, tokenizer, proposer, prompt_ids, config, draft_len + 1, on_text, on_piece)
+    run = start(model, tokenizer, proposer, prompt_ids, config, draft_len + 1, on_text, on_piece, on_prefill)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
     context = model.cfg.max_position_embeddings
     while not run.sink.done:

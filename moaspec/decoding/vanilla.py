@@ -15,7 +15,7 @@ import torch
 from moaspec.chat import check_fits
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, TextCallback, TokenSink
 from moaspec.decoding.sampling import select_token
-from moaspec.models.transformer import Transformer
+from moaspec.models.transformer import ChunkCallback, Transformer
 
 
 def stop_token_ids(model: Transformer, tokenizer: Any) -> set[int]:
@@ -33,8 +33,13 @@ def generate(
     prompt_ids: Sequence[int],
     config: GenerationConfig = GenerationConfig(),
     on_text: TextCallback | None = None,
+    on_prefill: ChunkCallback | None = None,
 ) -> GenerationResult:
-    """Decode greedily or by sampling until EOS, a stop string, or ``max_new_tokens``."""
+    """Decode greedily or by sampling until EOS, a stop string, or ``max_new_tokens``.
+
+    ``on_prefill(done, total)`` follows the prompt's prefill chunk by chunk (progress, or
+    abandoning it by raising).
+    """
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
     budget = min(config.max_new_tokens, context - len(prompt_ids))
@@ -43,7 +48,7 @@ def generate(
     cache = model.new_cache(len(prompt_ids) + budget)
     t0 = time.perf_counter()
     prompt = torch.tensor([list(prompt_ids)], device=model.device)
-    logits = model(prompt, cache, logits_at=slice(-1, None)).logits[0, -1]
+    logits = model(prompt, cache, logits_at=slice(-1, None), on_chunk=on_prefill).logits[0, -1]
     prefill_s = time.perf_counter() - t0
     calls = 0
     while not sink.push([select_token(logits, config.sampling, gen)]):

@@ -12,6 +12,7 @@ returns the residual stream after any requested layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ from torch import nn
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
+
+ChunkCallback = Callable[[int, int], None]  # (new tokens processed so far, new tokens in all)
 
 
 def rope_tables(
@@ -317,6 +320,7 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,
         logits_at: slice | torch.Tensor | None = None,
         hidden_after: tuple[int, ...] = (),
+        on_chunk: ChunkCallback | None = None,
     ) -> ForwardOutput:
         """Process ``tokens`` ``[B, T]`` after the ``cache.length`` cached positions.
 
@@ -332,6 +336,9 @@ class Transformer(nn.Module):
         activations and the attention mask sized by the chunk instead of the prompt
         (``[T, T]`` for all of it at once), and fewer attention products, since no chunk
         computes scores for the keys after it (BENCHMARKS.md, "Long prompts").
+        ``on_chunk(done, T)`` is called after each chunk: a caller can report a long
+        prefill's progress, or abandon it within one chunk by raising (a server whose
+        client has gone); the cache is then left as it was before the call.
         """
         B, T = tokens.shape
         start = cache.length
@@ -351,6 +358,8 @@ class Transformer(nn.Module):
                 cache.length += n
                 states.append(h)
                 captures.append(captured)
+                if on_chunk is not None:
+                    on_chunk(a + n, T)
         except BaseException:
             cache.length = start  # the cache holds what it held before: no half-processed prompt
             raise

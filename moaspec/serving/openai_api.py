@@ -11,7 +11,6 @@ with a 400 rather than silently ignored.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -27,6 +26,7 @@ from moaspec.chat import encode_chat, encode_text, outside_vocabulary
 from moaspec.decoding.generation import GenerationConfig, GenerationResult
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.errors import MoaspecError
+from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.engine import Engine, Piece
 from moaspec.serving.errors import APIError
 
@@ -197,10 +197,12 @@ class OpenAIRoutes:
                 "model": self.model_name}
         stream = self.engine.stream(ids, config)
         if req.stream:
-            first = await anext(stream)  # admission errors (503) still become a proper response
+            # admission errors (503) still become a proper response; a client that leaves during a long
+            # prefill, before the response has begun, is noticed here (later, by the streaming response)
+            first = await unless_disconnected(anext(stream), request)
             return StreamingResponse(self._events(head, first, stream, chat, req), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result, pieces = await self._collect(stream, request)
+        result, pieces = await unless_disconnected(self._collect(stream), request)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": FINISH[result.finish_reason]}
         if chat:
             choice["message"] = {"role": "assistant", "content": result.text}
@@ -209,25 +211,16 @@ class OpenAIRoutes:
         return JSONResponse({**head, "choices": [choice], "usage": _usage(result),
                              "moaspec": _stats(result, pieces, self.engine.strategy.describe())})
 
-    async def _collect(self, stream: AsyncIterator[Piece | GenerationResult], request: Request) -> tuple[GenerationResult, list[Piece]]:
-        """Run to the end, cancelling the generation if the client disconnects meanwhile."""
+    @staticmethod
+    async def _collect(stream: AsyncIterator[Piece | GenerationResult]) -> tuple[GenerationResult, list[Piece]]:
+        """Run to the end: the result, and the pieces of text on the way."""
         pieces: list[Piece] = []
-
-        async def consume() -> GenerationResult:
-            async with aclosing(stream):
-                async for item in stream:
-                    if isinstance(item, GenerationResult):
-                        return item
-                    pieces.append(item)
-            raise RuntimeError("generation ended without a result")
-
-        task = asyncio.ensure_future(consume())
-        while not task.done():
-            await asyncio.wait([task], timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "the client closed the connection")
-        return task.result(), pieces
+        async with aclosing(stream):
+            async for item in stream:
+                if isinstance(item, GenerationResult):
+                    return item, pieces
+                pieces.append(item)
+        raise RuntimeError("generation ended without a result")
 
     async def _events(self, head: dict[str, Any], first: Piece | GenerationResult,
                       stream: AsyncIterator[Piece | GenerationResult], chat: bool, req: _Common) -> AsyncIterator[bytes]:

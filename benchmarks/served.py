@@ -1,0 +1,24 @@
+"""`moaspec serve` started as its own process for a benchmark, and stopped when the benchmark ends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+
+@contextmanager
+def serving(port: int, serve_args: Sequence[str] = ()) -> Iterator[subprocess.Popen]:
+    """Start the server on ``port`` and yield its process once it listens (it prints "serving ... on URL")."""
+    cmd = [sys.executable, "-m", "moaspec.cli", "serve", "--port", str(port), "--log-level", "warning", *serve_args]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stderr.readline()  # type: ignore[union-attr]
+        if "serving" not in line:
+            sys.exit(f"server did not start: {line}{server.stderr.read()}")  # type: ignore[union-attr]
+        print(line.strip(), file=sys.stderr)
+        yield server
+    finally:
+        server.terminate()
+        server.wait(30)
