@@ -362,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tree", action="store_true", help="send EAGLE-2 dynamic draft trees instead of chains")
     _add_tree_options(c)
     c.add_argument("--state-format", choices=("fp16", "int8"), default="fp16", help="how the server sends each verified token's state (default fp16)")
-    c.add_argument("--timeout", type=float, default=10.0, help="seconds before a request counts as lost (default 10)")
+    c.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds before a request counts as lost (default 10; opening a session waits 10 ms more per "
+                        "prompt token, for the server to read the prompt)")
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
     c.add_argument("--max-new-tokens", type=int, default=256)
     _add_sampling_options(c, "seed for sampling (the server's draws, and the client's while it writes alone)")

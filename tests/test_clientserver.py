@@ -488,6 +488,23 @@ def test_a_client_that_gives_up_on_opening_a_session_stops_its_prefill(tiny_llam
             assert time.perf_counter() - t0 < 3
 
 
+def test_opening_a_session_waits_longer_for_a_longer_prompt(tiny_llama, drafter, slow_prefill, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An open waits for the server to read the prompt: the timeout grows with its length, so a prompt the server
+    accepts is not lost on every retry for taking longer to read than a verification takes."""
+    from moaspec.clientserver import client
+    from moaspec.clientserver.client import ServerUnreachable
+
+    prompt = [5 + i % 200 for i in range(40)]  # 20 chunks of 50 ms: 1 s to read
+    with running(make_app(tiny_llama, drafter)) as url:
+        remote = RemoteTarget(url, KEY, timeout=0.4, retries=0)
+        monkeypatch.setattr(client, "OPEN_S_PER_PROMPT_TOKEN", 0.0)
+        with pytest.raises(ServerUnreachable):
+            remote.open(prompt, "moa", "fp16", 4)
+        monkeypatch.setattr(client, "OPEN_S_PER_PROMPT_TOKEN", 0.05)  # 0.4 + 2 s
+        assert remote.open(prompt, "moa", "fp16", 4)["verified"] == len(prompt) + 1
+        remote.shutdown()
+
+
 def test_repeated_ngrams_measure_loops() -> None:
     from moaspec.clientserver.bench import repeated_ngrams
 

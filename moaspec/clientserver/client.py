@@ -122,6 +122,12 @@ def _error_message(resp: httpx.Response) -> str | None:
     return message if isinstance(message, str) else None
 
 
+# Opening a session waits for the server to read the prompt, which takes time in proportion to its length
+# (4,100 tokens: ~9 s on a 2-core CPU), so an open may take this much longer per prompt token than
+# another request; with the plain timeout, prompts the server accepts timed out there on every retry.
+OPEN_S_PER_PROMPT_TOKEN = 0.01
+
+
 class RemoteTarget:
     """The server's ``/cs/v1`` protocol over HTTP, with timeouts, retries and byte counts."""
 
@@ -134,16 +140,18 @@ class RemoteTarget:
         transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         self.http = httpx.Client(base_url=self.url + "/cs/v1", headers=headers, timeout=timeout,
                                  transport=transport)
+        self.timeout = timeout
         self.retries, self.backoff = retries, backoff
         self.calls = 0
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None, retries: int | None = None) -> Any:
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None, retries: int | None = None,
+                 timeout: float | None = None) -> Any:
         attempts = 1 + (self.retries if retries is None else retries)
         for attempt in range(attempts):
             try:
-                resp = self.http.request(method, path, json=body)
+                resp = self.http.request(method, path, json=body, timeout=timeout or self.timeout)
             except httpx.TransportError as exc:
                 error: str = f"{type(exc).__name__}: {exc}"
             else:
@@ -184,7 +192,7 @@ class RemoteTarget:
         if not sampling.greedy:
             body["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                                 "seed": sampling.seed}
-        return self._request("POST", "/sessions", body)
+        return self._request("POST", "/sessions", body, timeout=self.timeout + OPEN_S_PER_PROMPT_TOKEN * len(prompt))
 
     def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None,
                parents: Sequence[int] | None = None, dists: Sequence[Dist] | None = None) -> dict[str, Any]:
