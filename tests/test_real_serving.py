@@ -66,6 +66,12 @@ def test_chat_page_streams_and_colours_accepted_drafts(server: str, real_model) 
                     user: document.querySelector('.user').textContent};
         })()""")
         browser.screenshot(ARTIFACTS / "chat-page.png")
+        # a long pasted text: the page says it is being read, and Stop during the read ends the request
+        browser.evaluate("send('Summarise this. ' + 'The quick brown fox jumps over the lazy dog. '.repeat(250))")
+        reading = browser.evaluate("document.querySelectorAll('.assistant')[1].querySelector('.stats').textContent")
+        browser.evaluate("document.getElementById('stop').click()")
+        stopped = browser.wait_for("document.body.dataset.state === 'done' && "
+                                   "document.querySelectorAll('.assistant')[1].querySelector('.stats').textContent", 30)
     finally:
         browser.close()
     assert state == "done", page["stats"]
@@ -74,3 +80,4 @@ def test_chat_page_streams_and_colours_accepted_drafts(server: str, real_model) 
     assert 0 < page["drafted"] < page["spans"]  # both drafted and target-made text is shown
     assert page["coloured"] and page["draftColour"] != page["plainColour"]
     assert "τ" in page["stats"] and "target calls" in page["stats"]
+    assert (reading, stopped) == ("reading the prompt…", "stopped")
