@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from moaspec.chat import Message, chat_messages, encode_chat, encode_text, outside_vocabulary
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
+from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
 from moaspec.decoding.strategy import Strategy
@@ -160,7 +161,7 @@ class SpeculativeModel:
         config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=SamplingParams(temperature, top_k, top_p, seed),
                                   stop=(stop,) if isinstance(stop, str) else stop)
-        return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece, on_prefill=on_prefill)
+        return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece, prefill=Prefill(on_prefill))
 
     def __repr__(self) -> str:
         return f"SpeculativeModel(target={self.target.path.name!r}, decoding={self.strategy.describe()!r})"

@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the model file)")
     s.add_argument("--parallel", type=int, default=2, help="requests decoded at once, each on its own thread and caches (default 2)")
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
+    s.add_argument("--prompt-cache-mb", type=int, default=512,
+                   help="memory for the K/V of recently read prompts, so that a conversation's next turn reads only "
+                        "its new messages (default 512 MiB; 0: off)")
     s.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default 1 MiB)")
     s.add_argument("--max-sessions", type=int, default=32, help="client–server sessions held at once (default 32)")
@@ -458,6 +461,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from moaspec.api import encode_prompt
     from moaspec.chat import encode_chat
     from moaspec.decoding import GenerationConfig, SamplingParams
+    from moaspec.decoding.prefill import Prefill
     from moaspec.errors import PromptError
 
     messages = _read_messages(args)
@@ -488,7 +492,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)
     result = strategy.run(loaded, ids, config, on_text=None if args.json else stream,
                           on_piece=coloured if args.show_drafts and not args.json else None,
-                          on_prefill=None if args.json else _prefill_bar(len(ids)))
+                          prefill=Prefill(None if args.json else _prefill_bar(len(ids))))
     if args.json:
         print(json.dumps({**result.to_dict(), "decoding": strategy.describe(), "tuned_from": strategy.tuned_from},
                          ensure_ascii=False))
@@ -700,7 +704,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moaspec.serving import Engine, create_app, listen, run_server
 
     _require(args, ">= 1", _at_least(1), "parallel", "default_max_tokens", "max_body_bytes", "max_sessions", "max_draft")
-    _require(args, ">= 0", _at_least(0), "max_queue")
+    _require(args, ">= 0", _at_least(0), "max_queue", "prompt_cache_mb")
     _require(args, "in 0..65535", lambda v: 0 <= v < 65536, "port")
     _require(args, "a finite number > 0", _finite_positive, "session_ttl")
     sock = listen(args.host, args.port)  # fail on a taken port before loading anything
@@ -708,10 +712,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parallel))  # before loading: packing measures
     loaded = _load(args)
     from moaspec.clientserver.sessions import Limits, SessionStore
+    from moaspec.decoding.prefill import PromptCache
     from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.moa import MoADrafter
 
-    engine = Engine(loaded, _strategy(args, loaded), parallel=args.parallel, max_queue=args.max_queue)
+    prompts = PromptCache(args.prompt_cache_mb << 20) if args.prompt_cache_mb else None
+    engine = Engine(loaded, _strategy(args, loaded), parallel=args.parallel, max_queue=args.max_queue, prompt_cache=prompts)
     moa = engine.strategy.drafter
     if moa is None and (path := args.drafter or shipped_drafter(loaded)):  # --no-draft: remote clients still draft
         moa = load_drafter(path, loaded)

@@ -221,6 +221,28 @@ def test_concurrent_requests_do_not_touch_each_others_caches(client, tiny_llama)
     assert got == want
 
 
+def test_a_conversations_next_turn_reuses_its_prompt(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """With a prompt cache the second turn reads only what follows the first turn's prompt (reported as OpenAI's
+    cached_tokens), and its answer is the target's own greedy answer to the whole conversation."""
+    from moaspec.decoding.prefill import PromptCache
+
+    engine = Engine(tiny_llama, tiny_strategy(tiny_llama), parallel=1, prompt_cache=PromptCache(1 << 28, min_tokens=8))
+    try:
+        with running(create_app(engine, MODEL)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            msgs = [*MESSAGES, {"role": "user", "content": "jumps over the lazy dog"}]
+            first = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
+            msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "and then?"}]
+            second = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=8)
+    finally:
+        engine.close()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    want = vanilla(tiny_llama, encode_chat(tiny_llama.tokenizer, msgs), 8)
+    assert second.choices[0].message.content == want.text
+
+
 class Controlled:
     """A stand-in strategy whose generations run until released or cancelled (admission tests)."""
 
@@ -232,7 +254,7 @@ class Controlled:
     def describe(self) -> str:
         return "controlled"
 
-    def run(self, target, prompt_ids, config, on_text=None, on_piece=None, on_prefill=None):  # type: ignore[no-untyped-def]
+    def run(self, target, prompt_ids, config, on_text=None, on_piece=None, prefill=None):  # type: ignore[no-untyped-def]
         self.started.release()
         try:
             while not self.release.wait(0.01):

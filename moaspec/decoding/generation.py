@@ -43,6 +43,7 @@ class GenerationResult:
     target_calls: int  # target forwards after prefill
     accepted_lengths: list[int] = field(default_factory=list)  # tokens added per target call
     draft_s: float = 0.0  # time in the drafter (speculative decoders): proposing, and taking in verified tokens
+    reused_prompt_tokens: int = 0  # leading prompt tokens whose K/V came from a PromptCache instead of a forward
 
     @property
     def new_tokens(self) -> int:
@@ -69,6 +70,7 @@ class GenerationResult:
             "text": self.text,
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
+            "reused_prompt_tokens": self.reused_prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_calls": self.target_calls,
             "tau": round(self.tau, 4),

@@ -21,12 +21,13 @@ import torch
 
 from moaspec.chat import check_fits
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback, TokenSink
+from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import Proposer
 from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.models.kv_cache import KVCache
-from moaspec.models.transformer import ChunkCallback, Transformer
+from moaspec.models.transformer import Transformer
 
 # Tuned on this CPU with the shipped drafter (benchmarks/sweep.py, BENCHMARKS.md): with its
 # acceptance, longer chains cost more drafting than they save.
@@ -49,6 +50,7 @@ class Run:
     budget: int
     t0: float
     prefill_s: float
+    reused_prompt_tokens: int = 0
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
 
@@ -66,17 +68,16 @@ class Run:
         return GenerationResult(
             token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish, prompt_tokens=self.prompt_tokens,
             prefill_s=self.prefill_s, total_s=time.perf_counter() - self.t0, target_calls=len(self.accepted),
-            accepted_lengths=self.accepted, draft_s=self.draft_s,
+            accepted_lengths=self.accepted, draft_s=self.draft_s, reused_prompt_tokens=self.reused_prompt_tokens,
         )
 
 
 def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_ids: Sequence[int],
           config: GenerationConfig, room: int, on_text: TextCallback | None, on_piece: PieceCallback | None,
-          on_prefill: ChunkCallback | None = None) -> Run:
-    """Check the prompt, prefill it, pick the first token, and start the proposer.
+          prefill: Prefill = Prefill()) -> Run:
+    """Check the prompt, read it (as ``prefill`` says), pick the first token, and start the proposer.
 
-    ``room`` is how many positions past the budget a verification may write; ``on_prefill``
-    follows the prefill chunk by chunk (see :meth:`Transformer.forward`).
+    ``room`` is how many positions past the budget a verification may write.
     """
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
@@ -85,12 +86,12 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece)
     gen = config.sampling.generator(model.device)
     t0 = time.perf_counter()
-    out = model(torch.tensor([list(prompt_ids)], device=model.device), cache, logits_at=slice(-1, None),
-                on_chunk=on_prefill)
-    tokens = list(prompt_ids) + [select_token(out.logits[0, -1], config.sampling, gen)]
-    run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0)
+    logits, hidden, reused = prefill(model, prompt_ids, cache)
+    tokens = list(prompt_ids) + [select_token(logits, config.sampling, gen)]
+    run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
+              reused)
     if not sink.push(tokens[-1:]):
-        proposer.begin(cache, out.hidden[0])
+        proposer.begin(cache, hidden)
     return run
 
 
@@ -103,15 +104,14 @@ def generate_chain(
     draft_len: int = DEFAULT_CHAIN,
     on_text: TextCallback | None = None,
     on_piece: PieceCallback | None = None,
-    on_prefill: ChunkCallback | None = None,
+    prefill: Prefill = Prefill(),
 ) -> GenerationResult:
     """Decode with chains of ``draft_len`` drafts per target forward.
 
     ``on_text`` streams the text; ``on_piece`` instead receives each piece with whether
-    it came from accepted drafts (``--show-drafts``); ``on_prefill`` follows the prompt's
-    prefill chunk by chunk.
+    it came from accepted drafts (``--show-drafts``); ``prefill`` says how the prompt is read.
     """
-    run = start(model, tokenizer, proposer, prompt_ids, config, draft_len + 1, on_text, on_piece, on_prefill)
+    run = start(model, tokenizer, proposer, prompt_ids, config, draft_len + 1, on_text, on_piece, prefill)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
     context = model.cfg.max_position_embeddings
     while not run.sink.done:

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
 from moaspec.decoding.lookup import LookupProposer
+from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import check_confidence
 from moaspec.decoding.speculative import DEFAULT_CHAIN, generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.decoding.vanilla import generate
 from moaspec.errors import MoaspecError
-from moaspec.models.transformer import ChunkCallback
 from moaspec.validation import whole_number
 
 if TYPE_CHECKING:
@@ -69,15 +69,15 @@ class Strategy:
 
     def run(self, target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
             on_text: TextCallback | None = None, on_piece: PieceCallback | None = None,
-            on_prefill: ChunkCallback | None = None) -> GenerationResult:
-        """Generate one assistant turn; ``on_piece`` gets (text, came-from-accepted-drafts), ``on_prefill``
-        (prompt tokens prefilled, prompt tokens) after each chunk of a long prompt's prefill."""
+            prefill: Prefill = Prefill()) -> GenerationResult:
+        """Generate one assistant turn; ``on_piece`` gets (text, came-from-accepted-drafts); ``prefill`` says how
+        the prompt is read (told chunk by chunk; reusing recent prompts' K/V)."""
         model, tok = target.model, target.tokenizer
         if self.drafter is None and not self.lookup:
             if on_piece is not None:
                 piece = on_piece
                 on_text = lambda text: piece(text, False)  # noqa: E731
-            return generate(model, tok, prompt_ids, config, on_text=on_text, on_prefill=on_prefill)
+            return generate(model, tok, prompt_ids, config, on_text=on_text, prefill=prefill)
         from moaspec.drafters.proposers import proposer_for
 
         proposer: Any = proposer_for(self.drafter, self.confidence) if self.drafter is not None else None
@@ -86,6 +86,6 @@ class Strategy:
                                       min_ngram=self.lookup_min_ngram)
         if self.tree is not None:
             return generate_tree(model, tok, proposer, prompt_ids, config, self.tree, on_text=on_text, on_piece=on_piece,
-                                 on_prefill=on_prefill)
+                                 prefill=prefill)
         return generate_chain(model, tok, proposer, prompt_ids, config, draft_len=max(self.chain, self.lookup),
-                              on_text=on_text, on_piece=on_piece, on_prefill=on_prefill)
+                              on_text=on_text, on_piece=on_piece, prefill=prefill)

@@ -20,12 +20,13 @@ from typing import Any, Protocol
 import torch
 
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
+from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.sampling import probabilities
 from moaspec.decoding.speculative import start
 from moaspec.decoding.verify import verify_tree
 from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
-from moaspec.models.transformer import ChunkCallback, Transformer, tree_mask
+from moaspec.models.transformer import Transformer, tree_mask
 
 MAX_TREE = {"depth": 32, "top_k": 32, "total": 256}
 
@@ -115,12 +116,12 @@ def generate_tree(
     shape: TreeShape = TreeShape(),
     on_text: TextCallback | None = None,
     on_piece: PieceCallback | None = None,
-    on_prefill: ChunkCallback | None = None,
+    prefill: Prefill = Prefill(),
 ) -> GenerationResult:
     """Decode with one draft tree per target forward (callbacks as :func:`generate_chain`'s)."""
     # room for the verified tree, and for the expanded nodes a drafter with TLI writes into the cache
     room = max(shape.total, 1 + shape.depth * shape.top_k) + 1
-    run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece, on_prefill)
+    run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece, prefill)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
     while not run.sink.done:
         n = cache.length

@@ -14,8 +14,9 @@ import torch
 
 from moaspec.chat import check_fits
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, TextCallback, TokenSink
+from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.sampling import select_token
-from moaspec.models.transformer import ChunkCallback, Transformer
+from moaspec.models.transformer import Transformer
 
 
 def stop_token_ids(model: Transformer, tokenizer: Any) -> set[int]:
@@ -33,13 +34,10 @@ def generate(
     prompt_ids: Sequence[int],
     config: GenerationConfig = GenerationConfig(),
     on_text: TextCallback | None = None,
-    on_prefill: ChunkCallback | None = None,
+    prefill: Prefill = Prefill(),
 ) -> GenerationResult:
-    """Decode greedily or by sampling until EOS, a stop string, or ``max_new_tokens``.
-
-    ``on_prefill(done, total)`` follows the prompt's prefill chunk by chunk (progress, or
-    abandoning it by raising).
-    """
+    """Decode greedily or by sampling until EOS, a stop string, or ``max_new_tokens``; ``prefill`` says how
+    the prompt is read (told chunk by chunk, reusing a :class:`~moaspec.decoding.prefill.PromptCache`)."""
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
     budget = min(config.max_new_tokens, context - len(prompt_ids))
@@ -47,8 +45,7 @@ def generate(
     gen = config.sampling.generator(model.device)
     cache = model.new_cache(len(prompt_ids) + budget)
     t0 = time.perf_counter()
-    prompt = torch.tensor([list(prompt_ids)], device=model.device)
-    logits = model(prompt, cache, logits_at=slice(-1, None), on_chunk=on_prefill).logits[0, -1]
+    logits, _, reused = prefill(model, prompt_ids, cache)
     prefill_s = time.perf_counter() - t0
     calls = 0
     while not sink.push([select_token(logits, config.sampling, gen)]):
@@ -58,5 +55,5 @@ def generate(
     return GenerationResult(
         token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
         prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=calls,
-        accepted_lengths=[1] * calls,
+        accepted_lengths=[1] * calls, reused_prompt_tokens=reused,
     )

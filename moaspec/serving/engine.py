@@ -8,7 +8,8 @@ queued without bound. Torch releases the GIL inside its kernels, so parallel req
 do progress together. A request whose client goes away is cancelled at its next
 token, or within one chunk of its prompt's prefill (a long prompt's prefill takes
 seconds on a CPU: 23 s for 7,900 tokens here); one cancelled while still waiting never
-starts.
+starts. With a :class:`~moaspec.decoding.prefill.PromptCache`, a request whose prompt
+begins with one read recently (a conversation's next turn) reads only the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from moaspec.decoding.generation import GenerationConfig, GenerationResult
+from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.strategy import Strategy
 from moaspec.errors import MoaspecError
 from moaspec.heap import release_free_memory
@@ -45,11 +47,13 @@ class Piece:
 class Engine:
     """The target, its decoding strategy, and the worker threads that run requests."""
 
-    def __init__(self, target: LoadedModel, strategy: Strategy, parallel: int = 1, max_queue: int = 16) -> None:
+    def __init__(self, target: LoadedModel, strategy: Strategy, parallel: int = 1, max_queue: int = 16,
+                 prompt_cache: PromptCache | None = None) -> None:
         if parallel < 1 or max_queue < 0:
             raise MoaspecError("parallel must be >= 1 and max_queue >= 0")
         self.target = target
         self.strategy = strategy
+        self.prompt_cache = prompt_cache  # the prompts recently read, for the next turns of their conversations
         self.parallel = parallel
         self.capacity = parallel + max_queue
         self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="moaspec-decode")
@@ -103,7 +107,8 @@ class Engine:
         def work() -> None:
             try:
                 if not cancel.is_set():
-                    deliver(self.strategy.run(self.target, prompt_ids, config, on_piece=on_piece, on_prefill=check))
+                    deliver(self.strategy.run(self.target, prompt_ids, config, on_piece=on_piece,
+                                              prefill=Prefill(check, self.prompt_cache)))
             except _Cancelled:
                 pass
             except BaseException as exc:  # handed to the request; the worker lives on

@@ -90,9 +90,10 @@ class CompletionRequest(_Common):
     logprobs: Literal[0] | None = None  # type: ignore[assignment]  # the completions API's logprobs is an int
 
 
-def _usage(result: GenerationResult) -> dict[str, int]:
+def _usage(result: GenerationResult) -> dict[str, Any]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
-            "total_tokens": result.prompt_tokens + result.new_tokens}
+            "total_tokens": result.prompt_tokens + result.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.reused_prompt_tokens}}  # OpenAI's name for them
 
 
 def _stats(result: GenerationResult, pieces: list[Piece], method: str) -> dict[str, Any]:

@@ -1,0 +1,131 @@
+"""Reading a prompt into the target's cache: chunk by chunk, reusing what recent prompts already read.
+
+A chat's next turn begins with the whole conversation so far, so a server that keeps the
+keys/values (and final states) of the prompts it has just read can start the next turn's
+prefill where they end: only the new messages are read. On this 2-core CPU a 4,000-token
+conversation takes 7–13 s to read from the start (BENCHMARKS.md, "Reusing the prompts a server
+has read"). Reused K/V are exactly those of the earlier forward; the positions after them are
+computed as a chunked prefill computes them (each chunk attending to the cache before it), so
+the result equals reading the whole prompt up to the order of floating-point sums, as
+chunking itself does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.transformer import ChunkCallback, Transformer
+
+
+@dataclass(frozen=True)
+class _Entry:
+    keys: torch.Tensor  # [layers, 1, kv heads, T, head dim], as the cache holds them
+    values: torch.Tensor
+    hidden: torch.Tensor  # [T, d]: the final states the drafter begins from
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.hidden))
+
+
+class PromptCache:
+    """The K/V and final states of recently read prompts, least recently used first out, within ``max_bytes``.
+
+    Thread-safe: a server's decoding threads share one. Prompts shorter than ``min_tokens``
+    are neither stored nor reused (reading them costs less than keeping them).
+    """
+
+    def __init__(self, max_bytes: int, min_tokens: int = 256) -> None:
+        if max_bytes < 0 or min_tokens < 1:
+            raise ValueError("a prompt cache needs max_bytes >= 0 and min_tokens >= 1")
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def longest(self, prompt: Sequence[int]) -> tuple[int, _Entry | None]:
+        """The most leading tokens of ``prompt`` a stored prompt shares (at most all but its last), and that entry."""
+        best, found = 0, None
+        limit = len(prompt) - 1  # the last prompt token is always read: its logits pick the first new token
+        with self._lock:
+            for tokens, entry in self._entries.items():
+                n = _common_prefix(tokens, prompt, limit)
+                if n > best:
+                    best, found = n, (tokens, entry)
+            if found is None or best < self.min_tokens:
+                return 0, None
+            self._entries.move_to_end(found[0])
+            return best, found[1]
+
+    def store(self, prompt: Sequence[int], cache: KVCache, hidden: torch.Tensor) -> None:
+        """Keep ``prompt``'s K/V (the first ``len(prompt)`` positions of ``cache``) and final states ``[T, d]``."""
+        T = len(prompt)
+        if T < self.min_tokens:
+            return
+        entry = _Entry(cache.keys[:, :, :, :T].clone(), cache.values[:, :, :, :T].clone(), hidden[:T].clone())
+        if entry.nbytes > self.max_bytes:
+            return
+        key = tuple(prompt)
+        with self._lock:
+            for tokens in [t for t in self._entries if len(t) <= T and key[: len(t)] == t]:
+                del self._entries[tokens]  # a prefix of this prompt: everything it could give, this one gives
+            self._entries[key] = entry
+            total = sum(e.nbytes for e in self._entries.values())
+            while total > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                total -= old.nbytes
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """How a generation reads its prompt: ``on_chunk(done, total)`` after each chunk (progress, or raising to
+    abandon the generation there), starting after the longest prefix ``reuse`` holds, and storing the prompt
+    there for the next request."""
+
+    on_chunk: ChunkCallback | None = None
+    reuse: PromptCache | None = None
+
+    def __call__(self, model: Transformer, prompt_ids: Sequence[int], cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Read ``prompt_ids`` into the empty ``cache``: the last position's logits ``[V]``, every prompt position's
+        final state ``[T, d]``, and how many leading positions came from ``reuse``."""
+        n, entry = self.reuse.longest(prompt_ids) if self.reuse is not None else (0, None)
+        if entry is not None:
+            cache.keys[:, :, :, :n] = entry.keys[:, :, :, :n]
+            cache.values[:, :, :, :n] = entry.values[:, :, :, :n]
+            cache.length = n
+        on_chunk = self.on_chunk
+        if on_chunk is not None and n:
+            on_chunk = lambda done, total, _tell=on_chunk: _tell(n + done, n + total)  # noqa: E731
+        try:
+            out = model(torch.tensor([list(prompt_ids[n:])], device=model.device), cache, logits_at=slice(-1, None),
+                        on_chunk=on_chunk)
+        except BaseException:
+            cache.length = 0
+            raise
+        hidden = out.hidden[0] if entry is None else torch.cat([entry.hidden[:n], out.hidden[0]])
+        if self.reuse is not None:
+            self.reuse.store(prompt_ids, cache, hidden)
+        return out.logits[0, -1], hidden, n

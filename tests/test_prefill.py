@@ -1,0 +1,98 @@
+"""Reading prompts, and reusing the K/V of prompts read before (a conversation's next turn)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.prefill import Prefill, PromptCache
+from moaspec.decoding.strategy import Strategy
+from moaspec.decoding.tree import TreeShape
+from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.models import transformer
+
+
+@pytest.fixture()
+def counted(tiny_llama, monkeypatch):  # type: ignore[no-untyped-def]
+    """``tiny_llama`` in prefill chunks of 8, with the number of new tokens each block pass ran."""
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 8)
+    model = tiny_llama.model
+    passes: list[int] = []
+    monkeypatch.setattr(model, "run_blocks", lambda h, *a, _run=model.run_blocks, **k: passes.append(h.shape[1]) or _run(h, *a, **k))
+    return model, passes
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_prompt_that_extends_a_stored_one_reads_only_the_rest(counted) -> None:  # type: ignore[no-untyped-def]
+    model, passes = counted
+    turn1, more = ids(40, 1), ids(13, 2)
+    reuse = PromptCache(1 << 30, min_tokens=16)
+    Prefill(reuse=reuse)(model, turn1, model.new_cache(64))
+    passes.clear()
+    told: list[tuple[int, int]] = []
+    cache = model.new_cache(64)
+    logits, hidden, reused = Prefill(lambda d, t: told.append((d, t)), reuse)(model, turn1 + more, cache)
+    assert reused == 40 and sum(passes) == 13 and told == [(48, 53), (53, 53)]  # progress counts the reused part
+    fresh = model.new_cache(64)
+    want_logits, want_hidden, none = Prefill()(model, turn1 + more, fresh)
+    assert none == 0 and cache.length == fresh.length == 53
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(hidden, want_hidden, atol=1e-4, rtol=0)
+    torch.testing.assert_close(cache.keys[..., :53, :], fresh.keys[..., :53, :], atol=1e-4, rtol=0)
+    assert len(reuse) == 1  # the longer prompt replaced the one it extends
+
+
+def test_what_is_reused_and_kept(counted) -> None:  # type: ignore[no-untyped-def]
+    model, passes = counted
+    a, b = ids(40, 3), ids(40, 4)
+    per_token = 2 * model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4 + model.cfg.hidden_size * 4
+    reuse = PromptCache(per_token * 60, min_tokens=16)
+    Prefill(reuse=reuse)(model, ids(10, 5), model.new_cache(64))
+    assert len(reuse) == 0  # shorter than min_tokens: not worth keeping
+    Prefill(reuse=reuse)(model, a, model.new_cache(64))
+    passes.clear()
+    assert Prefill(reuse=reuse)(model, a, model.new_cache(64))[2] == 39 and passes == [1]  # the last token is read again
+    assert Prefill(reuse=reuse)(model, a[:20] + b[:20], model.new_cache(64))[2] == 20  # a shared beginning is enough
+    assert Prefill(reuse=reuse)(model, a[:10] + b[:30], model.new_cache(64))[2] == 0  # under min_tokens in common
+    assert len(reuse) == 1 and reuse.nbytes <= per_token * 60  # 3 prompts of 40 tokens in room for 60: the newest stays
+    assert Prefill(reuse=reuse)(model, a, model.new_cache(64))[2] == 0
+
+
+def test_an_abandoned_read_leaves_an_empty_cache_and_stores_nothing(counted) -> None:  # type: ignore[no-untyped-def]
+    model, _ = counted
+    reuse = PromptCache(1 << 30, min_tokens=16)
+    first = ids(40, 6)
+    Prefill(reuse=reuse)(model, first, model.new_cache(64))
+
+    class Gone(Exception):
+        pass
+
+    def give_up(done: int, total: int) -> None:
+        raise Gone
+
+    cache = model.new_cache(64)
+    with pytest.raises(Gone):
+        Prefill(give_up, reuse)(model, first + ids(20, 7), cache)
+    assert cache.length == 0 and len(reuse) == 1
+
+
+def test_next_turns_decode_as_without_reuse(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """A conversation whose turns reuse the previous prompts decodes the target's own greedy tokens, plain and with
+    a MoA drafter's chains and trees."""
+    torch.manual_seed(3)
+    drafter = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
+    drafter.attach(tiny_llama.model)
+    cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    for strategy in (Strategy(), Strategy(drafter.eval(), chain=3), Strategy(drafter, tree=TreeShape(), lookup=4)):
+        reuse = PromptCache(1 << 30, min_tokens=16)
+        conversation = ids(30, 8)
+        for turn in range(3):
+            got = strategy.run(tiny_llama, conversation, cfg, prefill=Prefill(reuse=reuse))
+            want = generate(tiny_llama.model, tiny_llama.tokenizer, conversation, cfg)
+            assert got.token_ids == want.token_ids
+            assert got.reused_prompt_tokens == (0 if turn == 0 else len(conversation) - 10 - 12)
+            conversation = conversation + got.token_ids + ids(10, 9 + turn)
