@@ -54,12 +54,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-cache-mb", type=int, default=512)
     ap.add_argument("--port", type=int, default=8767, help="the server without a cache; the other gets the next port")
+    ap.add_argument("--cache-first", action="store_true", help="the server with the cache answers each turn first")
     ap.add_argument("--output", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     tok = load_tokenizer(resolve_model(None))
     document = tok.decode(document_ids(tok, args.document_tokens))  # type: ignore[attr-defined]
     first = f"Here is a document.\n\n{document}\n\nSummarise it in two sentences."
     setups = {"no cache": ["--prompt-cache-mb", "0"], "prompt cache": ["--prompt-cache-mb", str(args.prompt_cache_mb)]}
+    if args.cache_first:
+        setups = dict(reversed(setups.items()))
     turns: list[dict[str, dict]] = []
     with ExitStack() as stack:
         clients = {}

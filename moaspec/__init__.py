@@ -15,10 +15,11 @@ from typing import Any
 
 from moaspec.errors import MoaspecError
 
-__all__ = ["MoaspecError", "SpeculativeModel", "TreeShape", "load"]
+__all__ = ["MoaspecError", "PromptCache", "SpeculativeModel", "TreeShape", "load"]
 __version__ = "0.1.0"
 
-_LAZY = {"load": "moaspec.api", "SpeculativeModel": "moaspec.api", "TreeShape": "moaspec.decoding.tree"}
+_LAZY = {"load": "moaspec.api", "SpeculativeModel": "moaspec.api", "TreeShape": "moaspec.decoding.tree",
+         "PromptCache": "moaspec.decoding.prefill"}
 
 
 def __getattr__(name: str) -> Any:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from moaspec.chat import Message, chat_messages, encode_chat, encode_text, outside_vocabulary
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
-from moaspec.decoding.prefill import Prefill
+from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
 from moaspec.decoding.strategy import Strategy
@@ -148,20 +148,23 @@ class SpeculativeModel:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: str | Sequence[str] = (), on_text: TextCallback | None = None,
                  on_piece: PieceCallback | None = None,
-                 on_prefill: Callable[[int, int], None] | None = None) -> GenerationResult:
+                 on_prefill: Callable[[int, int], None] | None = None,
+                 prompt_cache: PromptCache | None = None) -> GenerationResult:
         """One assistant turn for ``prompt`` (see :func:`encode_prompt`).
 
         Greedy at ``temperature`` 0: the text is exactly what the target alone would write. Sampling keeps
         the target's distribution; ``seed`` repeats a sample. ``on_text`` receives the text as it is
         decoded, ``on_piece`` the same with whether it came from accepted drafts; ``on_prefill`` gets
         (prompt tokens read, prompt tokens) as a long prompt is read, chunk by chunk, and may raise to
-        abandon the generation there.
+        abandon the generation there. With a ``prompt_cache`` (``moaspec.PromptCache(max_bytes)``, yours to keep
+        between calls) a prompt that begins with one read before, as a conversation's next turn does, is read
+        only from where they part.
         """
         ids = encode_prompt(self.target, prompt, system, raw)
         config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=SamplingParams(temperature, top_k, top_p, seed),
                                   stop=(stop,) if isinstance(stop, str) else stop)
-        return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece, prefill=Prefill(on_prefill))
+        return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece, prefill=Prefill(on_prefill, prompt_cache))
 
     def __repr__(self) -> str:
         return f"SpeculativeModel(target={self.target.path.name!r}, decoding={self.strategy.describe()!r})"

@@ -39,6 +39,16 @@ def test_every_decoding_writes_what_the_target_alone_writes(lm, tiny_moa_dir, de
     assert out.target_calls <= plain.target_calls
 
 
+def test_a_prompt_cache_carries_a_conversation_from_turn_to_turn(lm) -> None:  # type: ignore[no-untyped-def]
+    chat = moaspec.PromptCache(1 << 28, min_tokens=8)
+    conversation = [{"role": "user", "content": PROMPT + " jumps over the lazy dog"}]
+    for turn in range(2):
+        out = lm.generate(conversation, max_new_tokens=8, prompt_cache=chat)
+        assert out.token_ids == lm.generate(conversation, max_new_tokens=8).token_ids
+        assert (out.reused_prompt_tokens > 0) == (turn == 1)
+        conversation += [{"role": "assistant", "content": out.text}, {"role": "user", "content": "Go on."}]
+
+
 def test_a_prompt_string_a_conversation_and_token_ids_agree(lm) -> None:  # type: ignore[no-untyped-def]
     by_text = lm.generate(PROMPT, system="Be brief.", max_new_tokens=12)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]

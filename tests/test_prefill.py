@@ -27,15 +27,23 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def read(model, prompt: list[int], reuse: PromptCache, on_chunk=None):  # type: ignore[no-untyped-def]
+    """Read ``prompt`` into a new cache, then keep it, as a generation does at its end: (logits, hidden, reused,
+    cache)."""
+    prefill, cache = Prefill(on_chunk, reuse), model.new_cache(64)
+    logits, hidden, reused = prefill(model, prompt, cache)
+    prefill.keep(prompt, cache, hidden)
+    return logits, hidden, reused, cache
+
+
 def test_a_prompt_that_extends_a_stored_one_reads_only_the_rest(counted) -> None:  # type: ignore[no-untyped-def]
     model, passes = counted
     turn1, more = ids(40, 1), ids(13, 2)
     reuse = PromptCache(1 << 30, min_tokens=16)
-    Prefill(reuse=reuse)(model, turn1, model.new_cache(64))
+    read(model, turn1, reuse)
     passes.clear()
     told: list[tuple[int, int]] = []
-    cache = model.new_cache(64)
-    logits, hidden, reused = Prefill(lambda d, t: told.append((d, t)), reuse)(model, turn1 + more, cache)
+    logits, hidden, reused, cache = read(model, turn1 + more, reuse, lambda d, t: told.append((d, t)))
     assert reused == 40 and sum(passes) == 13 and told == [(48, 53), (53, 53)]  # progress counts the reused part
     fresh = model.new_cache(64)
     want_logits, want_hidden, none = Prefill()(model, turn1 + more, fresh)
@@ -51,22 +59,22 @@ def test_what_is_reused_and_kept(counted) -> None:  # type: ignore[no-untyped-de
     a, b = ids(40, 3), ids(40, 4)
     per_token = 2 * model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4 + model.cfg.hidden_size * 4
     reuse = PromptCache(per_token * 60, min_tokens=16)
-    Prefill(reuse=reuse)(model, ids(10, 5), model.new_cache(64))
+    read(model, ids(10, 5), reuse)
     assert len(reuse) == 0  # shorter than min_tokens: not worth keeping
-    Prefill(reuse=reuse)(model, a, model.new_cache(64))
+    read(model, a, reuse)
     passes.clear()
-    assert Prefill(reuse=reuse)(model, a, model.new_cache(64))[2] == 39 and passes == [1]  # the last token is read again
-    assert Prefill(reuse=reuse)(model, a[:20] + b[:20], model.new_cache(64))[2] == 20  # a shared beginning is enough
-    assert Prefill(reuse=reuse)(model, a[:10] + b[:30], model.new_cache(64))[2] == 0  # under min_tokens in common
+    assert read(model, a, reuse)[2] == 39 and passes == [1]  # the last token is read again
+    assert read(model, a[:20] + b[:20], reuse)[2] == 20  # a shared beginning is enough
+    assert read(model, a[:10] + b[:30], reuse)[2] == 0  # under min_tokens in common
     assert len(reuse) == 1 and reuse.nbytes <= per_token * 60  # 3 prompts of 40 tokens in room for 60: the newest stays
-    assert Prefill(reuse=reuse)(model, a, model.new_cache(64))[2] == 0
+    assert read(model, a, reuse)[2] == 0
 
 
-def test_an_abandoned_read_leaves_an_empty_cache_and_stores_nothing(counted) -> None:  # type: ignore[no-untyped-def]
+def test_an_abandoned_read_leaves_an_empty_cache(counted) -> None:  # type: ignore[no-untyped-def]
     model, _ = counted
     reuse = PromptCache(1 << 30, min_tokens=16)
     first = ids(40, 6)
-    Prefill(reuse=reuse)(model, first, model.new_cache(64))
+    read(model, first, reuse)
 
     class Gone(Exception):
         pass

@@ -102,8 +102,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 @dataclass(frozen=True)
 class Prefill:
     """How a generation reads its prompt: ``on_chunk(done, total)`` after each chunk (progress, or raising to
-    abandon the generation there), starting after the longest prefix ``reuse`` holds, and storing the prompt
-    there for the next request."""
+    abandon the generation there), starting after the longest prefix ``reuse`` holds; :meth:`keep` then
+    stores the prompt there for the next request."""
 
     on_chunk: ChunkCallback | None = None
     reuse: PromptCache | None = None
@@ -126,6 +126,11 @@ class Prefill:
             cache.length = 0
             raise
         hidden = out.hidden[0] if entry is None else torch.cat([entry.hidden[:n], out.hidden[0]])
+        return out.logits[0, -1], hidden, n
+
+    def keep(self, prompt_ids: Sequence[int], cache: KVCache, hidden: torch.Tensor) -> None:
+        """Store the prompt read into ``cache`` (final states ``hidden``) for later requests, once the generation
+        is over: decoding writes only after the prompt, so its K/V are still those the prefill wrote, and the
+        copy is no longer on the way to the first token."""
         if self.reuse is not None:
             self.reuse.store(prompt_ids, cache, hidden)
-        return out.logits[0, -1], hidden, n

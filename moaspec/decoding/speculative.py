@@ -50,6 +50,8 @@ class Run:
     budget: int
     t0: float
     prefill_s: float
+    prefill: Prefill
+    prompt_hidden: torch.Tensor  # the prompt's final states, kept with its K/V when the generation ends
     reused_prompt_tokens: int = 0
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -65,6 +67,7 @@ class Run:
 
     def result(self) -> GenerationResult:
         text = self.sink.close()
+        self.prefill.keep(self.tokens[: self.prompt_tokens], self.cache, self.prompt_hidden)
         return GenerationResult(
             token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish, prompt_tokens=self.prompt_tokens,
             prefill_s=self.prefill_s, total_s=time.perf_counter() - self.t0, target_calls=len(self.accepted),
@@ -89,7 +92,7 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     logits, hidden, reused = prefill(model, prompt_ids, cache)
     tokens = list(prompt_ids) + [select_token(logits, config.sampling, gen)]
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
-              reused)
+              prefill, hidden, reused)
     if not sink.push(tokens[-1:]):
         proposer.begin(cache, hidden)
     return run

@@ -45,13 +45,14 @@ def generate(
     gen = config.sampling.generator(model.device)
     cache = model.new_cache(len(prompt_ids) + budget)
     t0 = time.perf_counter()
-    logits, _, reused = prefill(model, prompt_ids, cache)
+    logits, hidden, reused = prefill(model, prompt_ids, cache)
     prefill_s = time.perf_counter() - t0
     calls = 0
     while not sink.push([select_token(logits, config.sampling, gen)]):
         logits = model(torch.tensor([[sink.tokens[-1]]], device=model.device), cache).logits[0, -1]
         calls += 1
     text = sink.close()
+    prefill.keep(prompt_ids, cache, hidden)
     return GenerationResult(
         token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
         prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=calls,
