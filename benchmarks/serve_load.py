@@ -92,7 +92,10 @@ async def run(url: str, model: str, prompts: list[str], clients: int, seconds: f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="an already running server (default: start `moaspec serve` here)")
-    ap.add_argument("--serve-args", default="", help="extra arguments for the server this script starts")
+    # no prompt cache by default: the clients cycle through the same questions, and a load test whose repeats read
+    # their prompts for free would flatter the server (and differ from the runs before the cache existed)
+    ap.add_argument("--serve-args", default="--prompt-cache-mb 0", help="arguments for the server this script starts "
+                    "(default: --prompt-cache-mb 0)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=180)
     ap.add_argument("--max-tokens", type=int, default=128)

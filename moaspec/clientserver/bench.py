@@ -64,8 +64,10 @@ class ServerProcess:
 
     def __init__(self, port: int, model: str | None, drafter: str | None, core: int | None,
                  remote_drafters: Sequence[str] = ()) -> None:
+        # no prompt cache: the api baseline answers each question once per profile, and must not read the
+        # prompts it read under the previous profile for free (the client-server methods have no such cache)
         cmd = [sys.executable, "-m", "moaspec.cli", "serve", "--port", str(port), "--no-draft", "--threads", "1",
-               "--log-level", "warning", "--parallel", "1"]
+               "--log-level", "warning", "--parallel", "1", "--prompt-cache-mb", "0"]
         cmd += ["--model", model] if model else []
         cmd += ["--drafter", drafter] if drafter else []
         for path in remote_drafters:
