@@ -28,10 +28,10 @@ from served import serving
 QUESTIONS = ["Which command runs the tests?", "What is the drafter's acceptance length?", "Say that again in one line."]
 
 
-def ask(client: httpx.Client, messages: list[dict[str, str]], max_tokens: int) -> dict:
+def ask(client: httpx.Client, model: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
     """One streamed turn: the answer, seconds to its first text and to its end, and the usage."""
-    body = {"model": client.get("/v1/models").json()["data"][0]["id"], "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     text, first, usage = "", None, {}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -69,14 +69,15 @@ def main() -> None:
         for k, (name, options) in enumerate(setups.items()):
             stack.enter_context(serving(args.port + k, options))
             clients[name] = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{args.port + k}", timeout=600))
-        for c in clients.values():
-            ask(c, [{"role": "user", "content": "Hello."}], 8)  # warm-up
+        models = {name: c.get("/v1/models").json()["data"][0]["id"] for name, c in clients.items()}
+        for name, c in clients.items():
+            ask(c, models[name], [{"role": "user", "content": "Hello."}], 8)  # warm-up
         history = {name: [] for name in setups}  # type: dict[str, list[dict[str, str]]]
         for question in [first, *QUESTIONS]:
             turn = {}
             for name, c in clients.items():
                 history[name].append({"role": "user", "content": question})
-                turn[name] = ask(c, history[name], args.max_tokens)
+                turn[name] = ask(c, models[name], history[name], args.max_tokens)
                 history[name].append({"role": "assistant", "content": turn[name]["text"]})
             turns.append(turn)
     print(f"a {args.document_tokens}-token document, then {len(QUESTIONS)} questions; greedy, {args.max_tokens} tokens")

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from moaspec.models.loading import LoadedModel
+    from moaspec.models.transformer import ChunkCallback
 
 SHIPPED = "shipped"  # the drafter moaspec ships for the target, found by its weights' fingerprint
 DrafterChoice = str | os.PathLike[str] | None  # SHIPPED, a checkpoint directory, or None for no drafter
@@ -148,7 +149,7 @@ class SpeculativeModel:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: str | Sequence[str] = (), on_text: TextCallback | None = None,
                  on_piece: PieceCallback | None = None,
-                 on_prefill: Callable[[int, int], None] | None = None,
+                 on_prefill: ChunkCallback | None = None,
                  prompt_cache: PromptCache | None = None) -> GenerationResult:
         """One assistant turn for ``prompt`` (see :func:`encode_prompt`).
 

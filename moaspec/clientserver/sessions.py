@@ -37,6 +37,7 @@ import torch
 
 from moaspec.chat import outside_vocabulary
 from moaspec.clientserver import codec
+from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.tree import DraftTree
 from moaspec.decoding.verify import verify_greedy, verify_sampling, verify_tree
@@ -188,11 +189,10 @@ class SessionStore:
             self._sessions[sid] = s
         try:
             with s.lock:
-                out = self.target.model(torch.tensor([list(prompt)], device=self.target.model.device), cache,
-                                        logits_at=slice(-1, None), on_chunk=on_prefill)
-                first = select_token(out.logits[0, -1], sampling, s.generator)
+                logits, hidden, _ = Prefill(on_prefill)(self.target.model, prompt, cache)
+                first = select_token(logits, sampling, s.generator)
                 s.tokens.append(first)
-                first_state = self._state_of(s, 0, len(prompt), out.hidden[0])
+                first_state = self._state_of(s, 0, len(prompt), hidden)
         except BaseException:
             with self._lock:  # a failed prefill must not hold a place until its TTL
                 self._sessions.pop(sid, None)

@@ -4,7 +4,8 @@ A chat's next turn begins with the whole conversation so far, so a server that k
 keys/values (and final states) of the prompts it has just read can start the next turn's
 prefill where they end: only the new messages are read. On a 2-core CPU server (one thread
 per request) a conversation that began with a 3,000-token document took 9.5–11 s before each
-answer, and 0.4–0.6 s with the cache (BENCHMARKS.md, "Reusing the prompts a server has read"). Reused K/V are exactly those of the earlier forward; the positions after them are
+answer, and 0.4–0.6 s with the cache (BENCHMARKS.md, "Reusing the prompts a server has
+read"). Reused K/V are exactly those of the earlier forward; the positions after them are
 computed as a chunked prefill computes them (each chunk attending to the cache before it), so
 the result equals reading the whole prompt up to the order of floating-point sums, as
 chunking itself does.
