@@ -3,11 +3,17 @@
 Starts two servers, one with ``--prompt-cache-mb 0`` and one with the given size, and holds
 the same conversation with both, interleaved turn by turn (only one server works at a time):
 the first user message pastes the first ``--document-tokens`` tokens of this repository's
-Markdown files and asks for a summary; each later turn asks a short question. Greedy,
-streaming. Prints, per turn, the prompt's length, how many of its tokens the server reused
-(OpenAI's ``cached_tokens``), the time to the first text, and whether both answers agree.
+Markdown files and asks for a summary; each later turn asks a short question. Greedy.
+Prints, per turn, the prompt's length, how many of its tokens the server reused, the time to
+the first text, and whether both answers agree.
+
+``--protocol openai`` (the default) asks the OpenAI chat API, streaming (reuse: its
+``cached_tokens``); ``--protocol cs`` drafts here with the shipped MoA drafter and has the
+server verify, as ``moaspec client`` does (one session per turn; reuse: the session's
+``cached_tokens``; the time to the first text includes the prompt's state coming back).
 
     .venv/bin/python benchmarks/serve_turns.py --document-tokens 3000 --output bench-out/serve-turns.json
+    .venv/bin/python benchmarks/serve_turns.py --protocol cs --document-tokens 3000 --output bench-out/cs-turns.json
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ from pathlib import Path
 import httpx
 
 from long_prompt import document_ids  # benchmarks/long_prompt.py, beside this script
-from moaspec.models.loading import load_tokenizer
+from moaspec.chat import encode_chat
+from moaspec.clientserver.client import RemoteTarget, SplitGeneration
+from moaspec.decoding import GenerationConfig
+from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.models import load_model
+from moaspec.models.loading import LoadedModel, load_tokenizer
 from moaspec.models.sources import resolve_model
 from served import serving
 
@@ -48,6 +60,25 @@ def ask(client: httpx.Client, model: str, messages: list[dict[str, str]], max_to
             "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens")}
 
 
+class SplitAsker:
+    """Asks as ``moaspec client`` does: the shipped MoA drafter here, the server verifying."""
+
+    def __init__(self) -> None:
+        self.target: LoadedModel = load_model(None)
+        path = shipped_drafter(self.target)
+        assert path is not None, "no MoA drafter ships for the default target"
+        self.drafter = load_drafter(path, self.target)
+
+    def __call__(self, url: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
+        remote = RemoteTarget(url, timeout=60)
+        gen = SplitGeneration(self.drafter, self.target.tokenizer, remote, stop_token_ids(self.target.model, self.target.tokenizer))
+        ids = encode_chat(self.target.tokenizer, messages)
+        r = gen.run(ids, GenerationConfig(max_new_tokens=max_tokens), self.target.cfg.max_position_embeddings)
+        remote.shutdown()
+        return {"text": r.text, "ttft_s": round(r.ttft_s, 3), "total_s": round(r.total_s, 3), "prompt_tokens": len(ids),
+                "cached_tokens": r.cached_tokens}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--document-tokens", type=int, default=3000)
@@ -55,6 +86,8 @@ def main() -> None:
     ap.add_argument("--prompt-cache-mb", type=int, default=512)
     ap.add_argument("--port", type=int, default=8767, help="the server without a cache; the other gets the next port")
     ap.add_argument("--cache-first", action="store_true", help="the server with the cache answers each turn first")
+    ap.add_argument("--protocol", choices=["openai", "cs"], default="openai",
+                    help="the OpenAI chat API, or client-server speculative decoding (see above)")
     ap.add_argument("--output", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     tok = load_tokenizer(resolve_model(None))
@@ -63,24 +96,31 @@ def main() -> None:
     setups = {"no cache": ["--prompt-cache-mb", "0"], "prompt cache": ["--prompt-cache-mb", str(args.prompt_cache_mb)]}
     if args.cache_first:
         setups = dict(reversed(setups.items()))
+    split = SplitAsker() if args.protocol == "cs" else None
     turns: list[dict[str, dict]] = []
     with ExitStack() as stack:
-        clients = {}
+        asks = {}
         for k, (name, options) in enumerate(setups.items()):
             stack.enter_context(serving(args.port + k, options))
-            clients[name] = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{args.port + k}", timeout=600))
-        models = {name: c.get("/v1/models").json()["data"][0]["id"] for name, c in clients.items()}
-        for name, c in clients.items():
-            ask(c, models[name], [{"role": "user", "content": "Hello."}], 8)  # warm-up
+            url = f"http://127.0.0.1:{args.port + k}"
+            if split is not None:
+                asks[name] = lambda messages, n, _url=url: split(_url, messages, n)
+                continue
+            c = stack.enter_context(httpx.Client(base_url=url, timeout=600))
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            asks[name] = lambda messages, n, _c=c, _model=model: ask(_c, _model, messages, n)
+        for asker in asks.values():
+            asker([{"role": "user", "content": "Hello."}], 8)  # warm-up
         history = {name: [] for name in setups}  # type: dict[str, list[dict[str, str]]]
         for question in [first, *QUESTIONS]:
             turn = {}
-            for name, c in clients.items():
+            for name, asker in asks.items():
                 history[name].append({"role": "user", "content": question})
-                turn[name] = ask(c, models[name], history[name], args.max_tokens)
+                turn[name] = asker(history[name], args.max_tokens)
                 history[name].append({"role": "assistant", "content": turn[name]["text"]})
             turns.append(turn)
-    print(f"a {args.document_tokens}-token document, then {len(QUESTIONS)} questions; greedy, {args.max_tokens} tokens")
+    print(f"{args.protocol}: a {args.document_tokens}-token document, then {len(QUESTIONS)} questions; greedy, "
+          f"{args.max_tokens} tokens")
     print(f"{'turn':>4} {'prompt':>7} | {'no cache: ttft':>15} | {'prompt cache: reused':>21} {'ttft':>7} | same answer")
     for i, t in enumerate(turns, 1):
         a, b = t["no cache"], t["prompt cache"]
@@ -88,7 +128,7 @@ def main() -> None:
               f"{'yes' if a['text'] == b['text'] else 'NO'}")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({"document_tokens": args.document_tokens, "turns": turns}, indent=2) + "\n")
+        Path(args.output).write_text(json.dumps({"protocol": args.protocol, "document_tokens": args.document_tokens, "turns": turns}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -332,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parallel", type=int, default=2, help="requests decoded at once, each on its own thread and caches (default 2)")
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait for a slot; more get 503 (default 16)")
     s.add_argument("--prompt-cache-mb", type=int, default=512,
-                   help="memory for the K/V of recently read prompts, so that a conversation's next turn reads only "
-                        "its new messages (default 512 MiB; 0: off)")
+                   help="memory for the K/V of recently read prompts (and of ended client–server sessions), so that "
+                        "a conversation's next turn reads only its new messages (default 512 MiB; 0: off)")
     s.add_argument("--default-max-tokens", type=int, default=512, help="max_tokens when a request gives none (default 512)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default 1 MiB)")
     s.add_argument("--max-sessions", type=int, default=32, help="client–server sessions held at once (default 32)")
@@ -729,7 +729,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                "no server half)")
         moas.append(more)
     limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
-    sessions = SessionStore(loaded, moas, limits)
+    sessions = SessionStore(loaded, moas, limits, prompt_cache=prompts)
     name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()
     api_key = args.api_key or os.environ.get("MOASPEC_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,

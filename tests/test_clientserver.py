@@ -20,6 +20,7 @@ from moaspec.clientserver.client import RemoteTarget, ServerRefused, SplitGenera
 from moaspec.clientserver.netem import PROFILES, NetworkProxy, parse_profile
 from moaspec.clientserver.sessions import Limits, SessionStore
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
+from moaspec.decoding.prefill import PromptCache
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.moa import MoAConfig, MoADrafter
@@ -38,8 +39,8 @@ def drafter(tiny_llama) -> MoADrafter:  # type: ignore[no-untyped-def]
     return d.eval()
 
 
-def make_app(tiny_llama, drafter, **limits):  # type: ignore[no-untyped-def]
-    store = SessionStore(tiny_llama, drafter, Limits(**{"max_draft": 8, **limits}))
+def make_app(tiny_llama, drafter, prompt_cache=None, **limits):  # type: ignore[no-untyped-def]
+    store = SessionStore(tiny_llama, drafter, Limits(**{"max_draft": 8, **limits}), prompt_cache=prompt_cache)
     engine = Engine(tiny_llama, Strategy(drafter), parallel=1)
     return create_app(engine, "tiny", api_key=KEY, max_body_bytes=8192, sessions=store)
 
@@ -72,9 +73,10 @@ def vanilla(tiny_llama, max_new: int) -> list[int]:  # type: ignore[no-untyped-d
 def split(tiny_llama, drafter, url: str, max_new: int, **kw):  # type: ignore[no-untyped-def]
     remote = RemoteTarget(url, KEY, timeout=kw.pop("timeout", 10.0), retries=kw.pop("retries", 1), backoff=0.01)
     sampling = kw.pop("sampling", SamplingParams())
+    prompt = kw.pop("prompt", PROMPT)
     gen = SplitGeneration(drafter, tiny_llama.tokenizer, remote, set(), max_draft=8, **kw)
     cfg = GenerationConfig(max_new_tokens=max_new, ignore_eos=True, sampling=sampling)
-    result = gen.run(PROMPT, cfg, tiny_llama.cfg.max_position_embeddings)
+    result = gen.run(prompt, cfg, tiny_llama.cfg.max_position_embeddings)
     remote.shutdown()
     return result
 
@@ -528,6 +530,54 @@ def test_sessions_are_limited_and_expire(tiny_llama, drafter) -> None:  # type: 
         assert err.value.status == 404
         assert remote.open(PROMPT, "moa", "fp16", 8)["session"]  # expired sessions freed their places
         remote.shutdown()
+
+
+def token_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("ended, kind", [("closed", "moa"), ("expired", "eagle"), ("closed", "eagle")])
+def test_a_session_leaves_its_verified_text_to_the_next_one(tiny_llama, drafter, ended, kind, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A conversation's next turn (or a client reopening after its session expired) reads only what is new: the
+    ended session's prompt and every token it verified, chains and a tree's compacted path alike. MoA's memory
+    entries of the reused positions are the ended session's (LSA runs on the new ones only), EAGLE's state
+    comes from the reused final states."""
+    lsa: list[tuple[int, int]] = []
+    monkeypatch.setattr(drafter, "memory_entries",
+                        lambda cache, start, end, hidden, _run=drafter.memory_entries: lsa.append((start, end)) or
+                        _run(cache, start, end, hidden))
+    reuse = PromptCache(1 << 30, min_tokens=8)
+    limits = Limits(max_draft=8, ttl_s=0.3 if ended == "expired" else 300)
+    store, plain = SessionStore(tiny_llama, drafter, limits, prompt_cache=reuse), SessionStore(tiny_llama, drafter, limits)
+    prompt = token_ids(30, 1)
+    want = generate(tiny_llama.model, tiny_llama.tokenizer, prompt, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+    a = store.open(prompt, kind, "fp16", 20)
+    assert a["cached_tokens"] == 0 and a["token"] == want[0]
+    v = store.verify(a["session"], a["verified"], want[1:4])  # a chain, all accepted
+    wrong = (want[5] + 1) % 300 + 3
+    v = store.verify(a["session"], v["verified"], [want[5], wrong, want[6]], parents=[0, 0, 1])  # a tree: path 1, 3
+    assert v["path"] == [1, 3] and v["token"] == want[7]
+    {"closed": lambda: store.close(a["session"]), "expired": lambda: time.sleep(0.4)}[ended]()
+    text = prompt + want[:7]  # what the session's cache held: every verified token but the newest (want[7])
+    nxt = text + [want[7]] + token_ids(5, 2)
+    lsa.clear()
+    b, fresh = store.open(nxt, kind, "fp16", 4), plain.open(nxt, kind, "fp16", 4)  # opening expires the old one
+    assert b["cached_tokens"] == len(text) and fresh["cached_tokens"] == 0
+    assert lsa == ([(len(text), len(nxt)), (0, len(nxt))] if kind == "moa" else [])
+    assert b["token"] == fresh["token"]
+    torch.testing.assert_close(codec.decode(b["state"]), codec.decode(fresh["state"]), atol=2e-3, rtol=0)
+
+
+def test_a_conversation_over_the_network_reads_each_turn_once(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
+    reuse = PromptCache(1 << 30, min_tokens=8)
+    turn1 = token_ids(24, 3)
+    with running(make_app(tiny_llama, drafter, reuse)) as url:
+        first = split(tiny_llama, drafter, url, 16, draft_len=3, prompt=turn1)
+        turn2 = turn1 + first.token_ids + token_ids(6, 4)
+        second = split(tiny_llama, drafter, url, 16, draft_len=3, prompt=turn2)
+    assert first.cached_tokens == 0 and len(turn1) + len(first.token_ids) - 1 <= second.cached_tokens < len(turn2)
+    vanilla2 = generate(tiny_llama.model, tiny_llama.tokenizer, turn2, GenerationConfig(max_new_tokens=16, ignore_eos=True))
+    assert second.token_ids == vanilla2.token_ids
 
 
 @pytest.fixture(scope="module")

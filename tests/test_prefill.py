@@ -10,6 +10,7 @@ from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.errors import MoaspecError
 from moaspec.models import transformer
 
 
@@ -70,6 +71,26 @@ def test_what_is_reused_and_kept(counted) -> None:  # type: ignore[no-untyped-de
     assert read(model, a, reuse)[2] == 0
 
 
+def test_what_readers_derive_per_position_is_kept_beside_the_kv(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """Extras (a MoA server's memory entries) come back for the longest stored beginning of a prompt, as far as
+    their rows go, and survive a longer prompt that replaces theirs without them."""
+    model = tiny_llama.model
+    reuse = PromptCache(1 << 30, min_tokens=8)
+    a, more = ids(20, 8), ids(10, 9)
+    cache = model.new_cache(64)
+    _, hidden, _ = Prefill()(model, a + more, cache)
+    rows = torch.arange(30.0)[:, None].repeat(1, 3)
+    assert reuse.extra("memory", a) is None
+    reuse.store(a, cache, hidden, {"memory": rows[:15]})  # rows for the first 15 of its 20 positions
+    assert torch.equal(reuse.extra("memory", a + more), rows[:15])
+    assert torch.equal(reuse.extra("memory", a[:12] + more), rows[:12])
+    assert reuse.extra("memory", more) is None and reuse.extra("other", a) is None
+    reuse.store(a + more, cache, hidden)  # replaces the shorter prompt, and inherits what only it had
+    assert len(reuse) == 1 and torch.equal(reuse.extra("memory", a + more), rows[:15])
+    reuse.store(a + more, cache, hidden, {"memory": rows * 2})  # its own rows win over inherited ones
+    assert len(reuse) == 1 and torch.equal(reuse.extra("memory", a + more), rows * 2)
+
+
 def test_an_abandoned_read_leaves_an_empty_cache(counted) -> None:  # type: ignore[no-untyped-def]
     model, _ = counted
     reuse = PromptCache(1 << 30, min_tokens=16)
@@ -104,3 +125,9 @@ def test_next_turns_decode_as_without_reuse(tiny_llama) -> None:  # type: ignore
             assert got.token_ids == want.token_ids
             assert got.reused_prompt_tokens == (0 if turn == 0 else len(conversation) - 10 - 12)
             conversation = conversation + got.token_ids + ids(10, 9 + turn)
+
+
+@pytest.mark.parametrize("max_bytes, min_tokens", [(-1, 256), (1.5, 256), ("512", 256), (1 << 20, 0)])
+def test_a_prompt_cache_of_a_bad_size_is_refused_in_one_sentence(max_bytes, min_tokens) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(MoaspecError, match="a prompt cache needs whole numbers"):
+        PromptCache(max_bytes, min_tokens=min_tokens)

@@ -348,6 +348,7 @@ class SplitResult:
     offline_tokens: int = 0  # tokens generated while the server was unreachable
     resyncs: int = 0
     pipeline_hits: int = 0
+    cached_tokens: int = 0  # prompt tokens the server did not read again (its prompt cache held them), over every open
 
     @property
     def tau(self) -> float:
@@ -362,7 +363,7 @@ class SplitResult:
                 "bytes_per_token": round((self.bytes_sent + self.bytes_received) / n, 1),
                 "state_bytes_per_token": round(self.state_bytes / n, 1), "unverified": self.unverified,
                 "offline_tokens": self.offline_tokens, "resyncs": self.resyncs,
-                "pipeline_hits": self.pipeline_hits}
+                "pipeline_hits": self.pipeline_hits, "cached_tokens": self.cached_tokens}
 
 
 def _sparse(probs: torch.Tensor) -> Dist:
@@ -396,6 +397,7 @@ class SplitGeneration:
         self.lookup = min(lookup, max_draft)  # most drafts per prompt-lookup copy (0: the drafter alone)
         self.state_bytes = 0
         self.pipeline_hits = 0  # verifications whose next drafts were ready when the answer came
+        self.cached_tokens = 0  # prompt tokens the server reused from its prompt cache, over every open
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -422,6 +424,7 @@ class SplitGeneration:
         answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers, self.fingerprint,
                                   self.sampling)
         self.session = answer["session"]
+        self.cached_tokens += int(answer.get("cached_tokens") or 0)  # servers before the prompt cache do not say
         self._take_state(answer, 0)
         return int(answer["token"])
 
@@ -439,7 +442,7 @@ class SplitGeneration:
 
     def _run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
         t0 = time.perf_counter()
-        self.pipeline_hits = self.state_bytes = 0
+        self.pipeline_hits = self.state_bytes = self.cached_tokens = 0
         self.sampling = config.sampling  # the server's, sent when the session opens
         self.generator = None if config.sampling.greedy else config.sampling.generator()
         self.draft_sampling = config.sampling if config.sampling.greedy else replace(
@@ -521,7 +524,7 @@ class SplitGeneration:
             total_s=time.perf_counter() - t0, ttft_s=ttft, server_calls=self.remote.calls,
             bytes_sent=self.remote.bytes_sent, bytes_received=self.remote.bytes_received, state_bytes=self.state_bytes,
             accepted_lengths=self.accepted, unverified=len(unverified), offline_tokens=offline_tokens, resyncs=resyncs,
-            pipeline_hits=self.pipeline_hits,
+            pipeline_hits=self.pipeline_hits, cached_tokens=self.cached_tokens,
         )
 
     def _extend(self, drafts: list[int], shown: Detokenizer, dists: list[Dist]) -> None:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import ChunkCallback, Transformer
 
@@ -29,10 +30,11 @@ class _Entry:
     keys: torch.Tensor  # [layers, 1, kv heads, T, head dim], as the cache holds them
     values: torch.Tensor
     hidden: torch.Tensor  # [T, d]: the final states the drafter begins from
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # name → rows of the first positions (see extra())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.hidden))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.hidden, *self.extras.values()))
 
 
 class PromptCache:
@@ -43,8 +45,9 @@ class PromptCache:
     """
 
     def __init__(self, max_bytes: int, min_tokens: int = 256) -> None:
-        if max_bytes < 0 or min_tokens < 1:
-            raise ValueError("a prompt cache needs max_bytes >= 0 and min_tokens >= 1")
+        if not (isinstance(max_bytes, int) and isinstance(min_tokens, int) and max_bytes >= 0 and min_tokens >= 1):
+            raise MoaspecError(f"a prompt cache needs whole numbers max_bytes >= 0 and min_tokens >= 1, got "
+                               f"max_bytes={max_bytes!r}, min_tokens={min_tokens!r}")
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
@@ -73,18 +76,38 @@ class PromptCache:
             self._entries.move_to_end(found[0])
             return best, found[1]
 
-    def store(self, prompt: Sequence[int], cache: KVCache, hidden: torch.Tensor) -> None:
-        """Keep ``prompt``'s K/V (the first ``len(prompt)`` positions of ``cache``) and final states ``[T, d]``."""
+    def extra(self, name: str, prompt: Sequence[int]) -> torch.Tensor | None:
+        """The most leading rows of the extra ``name`` stored for positions whose tokens begin ``prompt``, if any.
+
+        What a reader derives from the K/V position by position (a MoA server's memory entries)
+        is as valid as the K/V themselves, so whoever reuses them can reuse it too.
+        """
+        best, found = 0, None
+        with self._lock:
+            for tokens, entry in self._entries.items():
+                rows = entry.extras.get(name)
+                n = 0 if rows is None else _common_prefix(tokens, prompt, rows.shape[0])
+                if n > best:
+                    best, found = n, rows
+        return None if found is None else found[:best]
+
+    def store(self, prompt: Sequence[int], cache: KVCache, hidden: torch.Tensor,
+              extras: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Keep ``prompt``'s K/V (the first ``len(prompt)`` positions of ``cache``), final states ``[T, d]``,
+        and ``extras`` (name → rows of the first positions, at most ``T``; see :meth:`extra`)."""
         T = len(prompt)
         if T < self.min_tokens:
             return
-        entry = _Entry(cache.keys[:, :, :, :T].clone(), cache.values[:, :, :, :T].clone(), hidden[:T].clone())
+        entry = _Entry(cache.keys[:, :, :, :T].clone(), cache.values[:, :, :, :T].clone(), hidden[:T].clone(),
+                       {name: rows[:T].clone() for name, rows in (extras or {}).items()})
         if entry.nbytes > self.max_bytes:
             return
         key = tuple(prompt)
         with self._lock:
             for tokens in [t for t in self._entries if len(t) <= T and key[: len(t)] == t]:
-                del self._entries[tokens]  # a prefix of this prompt: everything it could give, this one gives
+                # a prefix of this prompt: everything it could give, this one gives, but the extras it alone has
+                old = self._entries.pop(tokens)
+                entry.extras.update({k: v for k, v in old.extras.items() if k not in entry.extras})
             self._entries[key] = entry
             total = sum(e.nbytes for e in self._entries.values())
             while total > self.max_bytes:
