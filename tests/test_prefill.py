@@ -33,7 +33,7 @@ def read(model, prompt: list[int], reuse: PromptCache, on_chunk=None):  # type: 
     cache)."""
     prefill, cache = Prefill(on_chunk, reuse), model.new_cache(64)
     logits, hidden, reused = prefill(model, prompt, cache)
-    prefill.keep(prompt, cache, hidden)
+    prefill.keep(prompt, cache, [hidden])
     return logits, hidden, reused, cache
 
 
@@ -110,8 +110,8 @@ def test_an_abandoned_read_leaves_an_empty_cache(counted) -> None:  # type: igno
 
 
 def test_next_turns_decode_as_without_reuse(tiny_llama) -> None:  # type: ignore[no-untyped-def]
-    """A conversation whose turns reuse the previous prompts decodes the target's own greedy tokens, plain and with
-    a MoA drafter's chains and trees."""
+    """A conversation whose turns reuse the previous turns (prompts and answers) decodes the target's own greedy
+    tokens, plain and with a MoA drafter's chains and trees."""
     torch.manual_seed(3)
     drafter = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
     drafter.attach(tiny_llama.model)
@@ -123,7 +123,9 @@ def test_next_turns_decode_as_without_reuse(tiny_llama) -> None:  # type: ignore
             got = strategy.run(tiny_llama, conversation, cfg, prefill=Prefill(reuse=reuse))
             want = generate(tiny_llama.model, tiny_llama.tokenizer, conversation, cfg)
             assert got.token_ids == want.token_ids
-            assert got.reused_prompt_tokens == (0 if turn == 0 else len(conversation) - 10 - 12)
+            # from the second turn on, everything but the new message (10 tokens) is reused: the previous prompt
+            # and answer, but perhaps the answer's last token (only a verification past it writes its K/V)
+            assert got.reused_prompt_tokens in ((0,) if turn == 0 else (len(conversation) - 11, len(conversation) - 10))
             conversation = conversation + got.token_ids + ids(10, 9 + turn)
 
 

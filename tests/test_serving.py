@@ -222,7 +222,7 @@ def test_concurrent_requests_do_not_touch_each_others_caches(client, tiny_llama)
 
 
 def test_a_conversations_next_turn_reuses_its_prompt(tiny_llama) -> None:  # type: ignore[no-untyped-def]
-    """With a prompt cache the second turn reads only what follows the first turn's prompt (reported as OpenAI's
+    """With a prompt cache the second turn reads only what the first turn's prompt and answer leave (OpenAI's
     cached_tokens), and its answer is the target's own greedy answer to the whole conversation."""
     from moaspec.decoding.prefill import PromptCache
 

@@ -1,11 +1,12 @@
 """Reading a prompt into the target's cache: chunk by chunk, reusing what recent prompts already read.
 
 A chat's next turn begins with the whole conversation so far, so a server that keeps the
-keys/values (and final states) of the prompts it has just read can start the next turn's
-prefill where they end: only the new messages are read. On a 2-core CPU server (one thread
-per request) a conversation that began with a 3,000-token document took 9.5–11 s before each
-answer, and 0.4–0.6 s with the cache (BENCHMARKS.md, "Reusing the prompts a server has
-read"). Reused K/V are exactly those of the earlier forward; the positions after them are
+keys/values (and final states) of the prompts it has just read, and of the answers it wrote
+to them, can start the next turn's prefill where they end: only the new message is read. On a
+2-core CPU server (one thread per request) a conversation that began with a 3,000-token
+document took 9.4–9.8 s before each answer, and 0.26–0.32 s with the cache (BENCHMARKS.md,
+"Reusing the prompts a server has read" and "Next turns keep the answer too"). Reused K/V
+are exactly those of the earlier forward; the positions after them are
 computed as a chunked prefill computes them (each chunk attending to the cache before it), so
 the result equals reading the whole prompt up to the order of floating-point sums, as
 chunking itself does.
@@ -38,7 +39,8 @@ class _Entry:
 
 
 class PromptCache:
-    """The K/V and final states of recently read prompts, least recently used first out, within ``max_bytes``.
+    """The K/V and final states of recent prompts (with their answers), least recently used first out, within
+    ``max_bytes``.
 
     Thread-safe: a server's decoding threads share one. Prompts shorter than ``min_tokens``
     are neither stored nor reused (reading them costs less than keeping them).
@@ -152,9 +154,10 @@ class Prefill:
         hidden = out.hidden[0] if entry is None else torch.cat([entry.hidden[:n], out.hidden[0]])
         return out.logits[0, -1], hidden, n
 
-    def keep(self, prompt_ids: Sequence[int], cache: KVCache, hidden: torch.Tensor) -> None:
-        """Store the prompt read into ``cache`` (final states ``hidden``) for later requests, once the generation
-        is over: decoding writes only after the prompt, so its K/V are still those the prefill wrote, and the
-        copy is no longer on the way to the first token."""
+    def keep(self, tokens: Sequence[int], cache: KVCache, hidden: Sequence[torch.Tensor]) -> None:
+        """Store ``tokens`` (the prompt, then the verified tokens whose K/V ``cache`` holds; final states
+        ``hidden``, in pieces) for later requests, once the generation is over: the next turn of a
+        conversation begins with this one's prompt and answer. Stored at the end, the copy is not
+        on the way to the first token; decoding never rewrites a verified position."""
         if self.reuse is not None:
-            self.reuse.store(prompt_ids, cache, hidden)
+            self.reuse.store(tokens, cache, torch.cat(list(hidden)))

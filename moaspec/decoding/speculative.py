@@ -51,7 +51,7 @@ class Run:
     t0: float
     prefill_s: float
     prefill: Prefill
-    prompt_hidden: torch.Tensor  # the prompt's final states, kept with its K/V when the generation ends
+    hidden: list[torch.Tensor]  # the final states of the cached positions, in pieces: kept with their K/V at the end
     reused_prompt_tokens: int = 0
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -67,7 +67,7 @@ class Run:
 
     def result(self) -> GenerationResult:
         text = self.sink.close()
-        self.prefill.keep(self.tokens[: self.prompt_tokens], self.cache, self.prompt_hidden)
+        self.prefill.keep(self.tokens[: self.cache.length], self.cache, self.hidden)
         return GenerationResult(
             token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish, prompt_tokens=self.prompt_tokens,
             prefill_s=self.prefill_s, total_s=time.perf_counter() - self.t0, target_calls=len(self.accepted),
@@ -92,7 +92,7 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     logits, hidden, reused = prefill(model, prompt_ids, cache)
     tokens = list(prompt_ids) + [select_token(logits, config.sampling, gen)]
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
-              prefill, hidden, reused)
+              prefill, [hidden], reused)
     if not sink.push(tokens[-1:]):
         proposer.begin(cache, hidden)
     return run
@@ -130,6 +130,7 @@ def generate_chain(
             verdict = verify_sampling(proposal.tokens, proposal.probs, probabilities(out.logits[0], params), gen)
         new = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
         cache.truncate(n_cached + 1 + verdict.accepted)
+        run.hidden.append(out.hidden[0, : len(new)])
         tokens += new
         run.accepted.append(len(new))
         if not run.sink.push(new, drafted=verdict.accepted):

@@ -47,12 +47,14 @@ def generate(
     t0 = time.perf_counter()
     logits, hidden, reused = prefill(model, prompt_ids, cache)
     prefill_s = time.perf_counter() - t0
-    calls = 0
+    calls, states = 0, [hidden]
     while not sink.push([select_token(logits, config.sampling, gen)]):
-        logits = model(torch.tensor([[sink.tokens[-1]]], device=model.device), cache).logits[0, -1]
+        out = model(torch.tensor([[sink.tokens[-1]]], device=model.device), cache)
+        logits = out.logits[0, -1]
+        states.append(out.hidden[0])
         calls += 1
     text = sink.close()
-    prefill.keep(prompt_ids, cache, hidden)
+    prefill.keep([*prompt_ids, *sink.tokens][: cache.length], cache, states)
     return GenerationResult(
         token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
         prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=calls,

@@ -9,7 +9,8 @@ do progress together. A request whose client goes away is cancelled at its next
 token, or within one chunk of its prompt's prefill (a long prompt's prefill takes
 seconds on a CPU: 23 s for 7,900 tokens here); one cancelled while still waiting never
 starts. With a :class:`~moaspec.decoding.prefill.PromptCache`, a request whose prompt
-begins with one read recently (a conversation's next turn) reads only the rest.
+begins with one read recently, and its answer (a conversation's next turn), reads only
+the rest.
 """
 
 from __future__ import annotations
