@@ -65,12 +65,12 @@ def _lsa_width(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor 'full'") from None
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
+def _add_model_options(p: argparse.ArgumentParser, threads: str = "torch's choice") -> None:
     from moaspec.drafters.checkpoint import DTYPE_CHOICES
 
     p.add_argument("--model", default=None, help="model: 'smollm2' (default, embedded), a .gguf file, or a local HF model directory")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None, help=f"CPU threads for torch (default: {threads})")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="the target's weights and activations (default: float32 on every device, where greedy "
                         "speculative output equals vanilla's token for token; bfloat16/float16 are faster on GPUs but "
@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "another --tli-layers (repeatable)")
     s.add_argument("--no-draft", action="store_true", help="plain decoding")
     _add_decoding_options(s)
-    _add_model_options(s)
+    _add_model_options(s, threads="the cores shared between the --parallel decoders, and all of them to a prompt "
+                                  "read while nothing else runs; a number fixes every decoder's")
     _add_drafter_dtype_option(s)
 
     c = sub.add_parser("client", help="draft here, verify on a `moaspec serve` server (keeps generating if it goes away)")
@@ -708,16 +709,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _require(args, "in 0..65535", lambda v: 0 <= v < 65536, "port")
     _require(args, "a finite number > 0", _finite_positive, "session_ttl")
     sock = listen(args.host, args.port)  # fail on a taken port before loading anything
+    # the cores this process may run on (taskset), not the machine's; macOS has no affinity to ask
+    total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if not args.threads:  # share the cores between the parallel decoders instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.parallel))  # before loading: packing measures
+        torch.set_num_threads(max(1, total // args.parallel))  # before loading: packing measures
     loaded = _load(args)
+    from moaspec.cores import Cores
+
+    # a prefill alone may take every core (chosen threads, or one decoder, need no sharing; a GPU does not care)
+    share = torch.get_num_threads()
+    cores = Cores(total, share) if not args.threads and share < total and loaded.model.device.type == "cpu" else None
     from moaspec.clientserver.sessions import Limits, SessionStore
     from moaspec.decoding.prefill import PromptCache
     from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.moa import MoADrafter
 
     prompts = PromptCache(args.prompt_cache_mb << 20) if args.prompt_cache_mb else None
-    engine = Engine(loaded, _strategy(args, loaded), parallel=args.parallel, max_queue=args.max_queue, prompt_cache=prompts)
+    engine = Engine(loaded, _strategy(args, loaded), parallel=args.parallel, max_queue=args.max_queue, prompt_cache=prompts,
+                    cores=cores)
     moa = engine.strategy.drafter
     if moa is None and (path := args.drafter or shipped_drafter(loaded)):  # --no-draft: remote clients still draft
         moa = load_drafter(path, loaded)
@@ -729,7 +738,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                "no server half)")
         moas.append(more)
     limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
-    sessions = SessionStore(loaded, moas, limits, prompt_cache=prompts)
+    sessions = SessionStore(loaded, moas, limits, prompt_cache=prompts, cores=cores)
     name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()
     api_key = args.api_key or os.environ.get("MOASPEC_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,

@@ -568,6 +568,26 @@ def test_a_session_leaves_its_verified_text_to_the_next_one(tiny_llama, drafter,
     torch.testing.assert_close(codec.decode(b["state"]), codec.decode(fresh["state"]), atol=2e-3, rtol=0)
 
 
+def test_a_session_prefill_alone_takes_every_core_and_verifies_on_its_share(tiny_llama, drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.cores import Cores
+    from moaspec.models import transformer
+
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 8)
+    model, seen = tiny_llama.model, []
+    monkeypatch.setattr(model, "run_blocks", lambda h, *a, _run=model.run_blocks, **k:
+                        seen.append((h.shape[1], torch.get_num_threads())) or _run(h, *a, **k))
+    cores, own = Cores(total=2, share=1), torch.get_num_threads()
+    store = SessionStore(tiny_llama, drafter, Limits(max_draft=8), cores=cores)
+    try:
+        a = store.open(token_ids(20, 5), "moa", "fp16", 8)
+        store.verify(a["session"], a["verified"], [7, 8])
+        with cores.busy():  # something else runs: the next prefill keeps to its share
+            store.open(token_ids(20, 6), "moa", "fp16", 8)
+    finally:
+        torch.set_num_threads(own)
+    assert seen == [(8, 2), (8, 2), (4, 2), (3, 1), (8, 1), (8, 1), (4, 1)]
+
+
 def test_a_conversation_over_the_network_reads_each_turn_once(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
     reuse = PromptCache(1 << 30, min_tokens=8)
     turn1 = token_ids(24, 3)

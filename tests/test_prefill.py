@@ -133,3 +133,26 @@ def test_next_turns_decode_as_without_reuse(tiny_llama) -> None:  # type: ignore
 def test_a_prompt_cache_of_a_bad_size_is_refused_in_one_sentence(max_bytes, min_tokens) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(MoaspecError, match="a prompt cache needs whole numbers"):
         PromptCache(max_bytes, min_tokens=min_tokens)
+
+
+def test_a_prefill_reads_each_chunk_with_the_threads_it_is_given_then_restores_its_own(counted, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model, _ = counted
+    seen: list[int] = []
+    monkeypatch.setattr(model, "run_blocks", lambda h, *a, _run=model.run_blocks, **k: seen.append(torch.get_num_threads())
+                        or _run(h, *a, **k))
+    answers = iter([2, 1, 2, 2])  # asked before the first chunk and after each but the last: 4 chunks of 8
+
+    def gone(done: int, total: int) -> None:
+        raise RuntimeError("the client left")
+
+    own = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Prefill(threads=lambda: next(answers))(model, ids(30, 11), model.new_cache(64))
+        assert seen == [2, 1, 2, 2] and torch.get_num_threads() == 1
+        seen.clear()
+        with pytest.raises(RuntimeError):  # abandoned after its first chunk: the thread's own count is back all the same
+            Prefill(on_chunk=gone, threads=lambda: 2)(model, ids(30, 11), model.new_cache(64))
+        assert seen == [2] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(own)

@@ -359,3 +359,35 @@ def test_connections_accepted_by_the_server_send_without_nagle_delay() -> None:
             await server.wait_closed()
 
     assert asyncio.run(nodelay_of_accepted()) != 0
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_prefill_that_runs_alone_takes_every_core(tiny_llama, monkeypatch, alone: bool) -> None:  # type: ignore[no-untyped-def]
+    """A CPU server's decoders each get a share of the cores; a prompt read while nothing else runs gets them all,
+    chunk by chunk, and its decoding goes back to the share."""
+    import asyncio
+    from contextlib import nullcontext
+
+    from moaspec.cores import Cores
+    from moaspec.models import transformer
+
+    monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 8)
+    model, seen = tiny_llama.model, []
+    monkeypatch.setattr(model, "run_blocks", lambda h, *a, _run=model.run_blocks, **k:
+                        seen.append((h.shape[1], torch.get_num_threads())) or _run(h, *a, **k))
+    cores, own = Cores(total=2, share=1), torch.get_num_threads()
+    engine = Engine(tiny_llama, Strategy(), parallel=2, cores=cores)
+
+    async def generate_one() -> None:
+        async for _ in engine.stream(list(range(5, 35)), GenerationConfig(max_new_tokens=4, ignore_eos=True)):
+            pass
+
+    try:
+        with nullcontext() if alone else cores.busy():  # another request decoding meanwhile
+            asyncio.run(generate_one())
+    finally:
+        engine.close()
+        torch.set_num_threads(own)
+    chunks, steps = [t for n, t in seen if n > 1], [t for n, t in seen if n == 1]
+    assert len(chunks) == 4 and len(steps) == 3
+    assert chunks == [2 if alone else 1] * 4 and steps == [1] * 3

@@ -36,6 +36,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch
 
 from moaspec.chat import outside_vocabulary
 from moaspec.clientserver import codec
+from moaspec.cores import Cores
 from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.tree import DraftTree
@@ -114,12 +116,13 @@ class SessionStore:
     """Target sessions for remote drafters, with limits and expiry."""
 
     def __init__(self, target: LoadedModel, moa: MoADrafter | Sequence[MoADrafter] | None = None,
-                 limits: Limits = Limits(), prompt_cache: PromptCache | None = None) -> None:
+                 limits: Limits = Limits(), prompt_cache: PromptCache | None = None, cores: Cores | None = None) -> None:
         """``moa``: the MoA drafters whose server half (LSA) this server runs for remote clients.
 
         Several let clients with different drafters (N = 0 and N = 1, or an old and a new
         version during a rollout) share one server; each names its own when it opens a session.
         ``prompt_cache``: where sessions begin from what was read before, and leave what they verified.
+        ``cores``: how the CPU's cores are shared with other work (a prefill alone gets them all).
         """
         self.target = target
         moas = [] if moa is None else [moa] if isinstance(moa, MoADrafter) else list(moa)
@@ -128,6 +131,7 @@ class SessionStore:
         self.width = target.cfg.hidden_size
         self.limits = limits
         self.prompt_cache = prompt_cache
+        self.cores = cores
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -149,6 +153,10 @@ class SessionStore:
             self._remember(ended.pop())  # a client that comes back after this reopens on its verified text
         if expired:
             release_free_memory()
+
+    def _working(self) -> AbstractContextManager[None]:
+        """Count a prefill or verification as busy on the server's cores (when it shares them)."""
+        return self.cores.busy() if self.cores is not None else nullcontext()
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         bad = outside_vocabulary(ids, self.target.cfg.vocab_size)
@@ -216,8 +224,9 @@ class SessionStore:
         if self.prompt_cache is not None and moa is not None:
             s.memory = f"moa-memory:{moa[0]}"
         try:
-            with s.lock:
-                logits, hidden, reused = Prefill(on_prefill, self.prompt_cache)(self.target.model, prompt, cache)
+            with s.lock, self._working():
+                threads = self.cores.for_prefill if self.cores is not None else None
+                logits, hidden, reused = Prefill(on_prefill, self.prompt_cache, threads)(self.target.model, prompt, cache)
                 first = select_token(logits, sampling, s.generator)
                 s.tokens.append(first)
                 if s.memory is not None and reused:
@@ -301,7 +310,7 @@ class SessionStore:
         q = None if s.sampling.greedy or parents is not None else self._draft_probs(draft, dists, self.target.model.device)
         key = (verified, tuple(draft), None if parents is None else tuple(parents),
                None if dists is None else repr(dists))
-        with s.lock:
+        with s.lock, self._working():
             s.expires = time.monotonic() + self.limits.ttl_s
             if s.last is not None and s.last[0] == key:
                 return s.last[1]  # a retry of the last request: same answer, no second advance

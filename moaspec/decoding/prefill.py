@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -129,10 +129,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 class Prefill:
     """How a generation reads its prompt: ``on_chunk(done, total)`` after each chunk (progress, or raising to
     abandon the generation there), starting after the longest prefix ``reuse`` holds; :meth:`keep` then
-    stores the prompt there for the next request."""
+    stores the prompt there for the next request. ``threads``, asked before each chunk: how many CPU
+    threads to read it with (a server gives a prefill that runs alone every core,
+    :class:`moaspec.cores.Cores`); the thread's own count is back when the prompt is read."""
 
     on_chunk: ChunkCallback | None = None
     reuse: PromptCache | None = None
+    threads: Callable[[], int] | None = None
 
     def __call__(self, model: Transformer, prompt_ids: Sequence[int], cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Read ``prompt_ids`` into the empty ``cache``: the last position's logits ``[V]``, every prompt position's
@@ -142,15 +145,25 @@ class Prefill:
             cache.keys[:, :, :, :n] = entry.keys[:, :, :, :n]
             cache.values[:, :, :, :n] = entry.values[:, :, :, :n]
             cache.length = n
-        on_chunk = self.on_chunk
-        if on_chunk is not None and n:
-            on_chunk = lambda done, total, _tell=on_chunk: _tell(n + done, n + total)  # noqa: E731
+        tell, threads, own = self.on_chunk, self.threads, torch.get_num_threads()
+
+        def after_chunk(done: int, total: int) -> None:
+            if tell is not None:
+                tell(n + done, n + total)  # progress counts the reused part as read
+            if threads is not None and done < total:
+                torch.set_num_threads(threads())
+
         try:
+            if threads is not None:
+                torch.set_num_threads(threads())
             out = model(torch.tensor([list(prompt_ids[n:])], device=model.device), cache, logits_at=slice(-1, None),
-                        on_chunk=on_chunk)
+                        on_chunk=after_chunk if tell is not None or threads is not None else None)
         except BaseException:
             cache.length = 0
             raise
+        finally:
+            if threads is not None:
+                torch.set_num_threads(own)
         hidden = out.hidden[0] if entry is None else torch.cat([entry.hidden[:n], out.hidden[0]])
         return out.logits[0, -1], hidden, n
 

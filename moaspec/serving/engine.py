@@ -19,8 +19,10 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
+from moaspec.cores import Cores
 from moaspec.decoding.generation import GenerationConfig, GenerationResult
 from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.strategy import Strategy
@@ -49,12 +51,14 @@ class Engine:
     """The target, its decoding strategy, and the worker threads that run requests."""
 
     def __init__(self, target: LoadedModel, strategy: Strategy, parallel: int = 1, max_queue: int = 16,
-                 prompt_cache: PromptCache | None = None) -> None:
+                 prompt_cache: PromptCache | None = None, cores: Cores | None = None) -> None:
+        """``cores``: how the CPU's cores are shared between requests (None: each thread keeps what it has)."""
         if parallel < 1 or max_queue < 0:
             raise MoaspecError("parallel must be >= 1 and max_queue >= 0")
         self.target = target
         self.strategy = strategy
         self.prompt_cache = prompt_cache  # the prompts recently read, for the next turns of their conversations
+        self.cores = cores
         self.parallel = parallel
         self.capacity = parallel + max_queue
         self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="moaspec-decode")
@@ -106,10 +110,12 @@ class Engine:
             deliver(Piece(text, drafted))
 
         def work() -> None:
+            cores = self.cores
             try:
                 if not cancel.is_set():
-                    deliver(self.strategy.run(self.target, prompt_ids, config, on_piece=on_piece,
-                                              prefill=Prefill(check, self.prompt_cache)))
+                    with cores.busy() if cores is not None else nullcontext():
+                        prefill = Prefill(check, self.prompt_cache, cores.for_prefill if cores is not None else None)
+                        deliver(self.strategy.run(self.target, prompt_ids, config, on_piece=on_piece, prefill=prefill))
             except _Cancelled:
                 pass
             except BaseException as exc:  # handed to the request; the worker lives on
