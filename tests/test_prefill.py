@@ -109,24 +109,43 @@ def test_an_abandoned_read_leaves_an_empty_cache(counted) -> None:  # type: igno
     assert cache.length == 0 and len(reuse) == 1
 
 
-def test_next_turns_decode_as_without_reuse(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+def test_next_turns_decode_as_without_reuse(tiny_llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A conversation whose turns reuse the previous turns (prompts and answers) decodes the target's own greedy
-    tokens, plain and with a MoA drafter's chains and trees."""
+    tokens, plain and with MoA drafters' chains and trees (one with Target Layer Inference and the newest memory
+    entry in Cross-Attention's input); the drafter begins from what it kept of them (LSA
+    runs on the new positions only, SA catches up on the new tokens only) and drafts as it would afresh."""
     torch.manual_seed(3)
-    drafter = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
+    drafter = MoADrafter(MoAConfig.for_target(tiny_llama.cfg)).eval()
     drafter.attach(tiny_llama.model)
+    tli = MoADrafter(MoAConfig.for_target(tiny_llama.cfg, tli_layers=1, newest_entry=True)).eval()
+    torch.nn.init.normal_(tli.newest_proj.weight, std=0.05)
+    tli.attach(tiny_llama.model)
+    lsa: list[tuple[int, int]] = []
+    for d in (drafter, tli):
+        monkeypatch.setattr(d, "memory_entries", lambda cache, start, end, hidden, _run=d.memory_entries:
+                            lsa.append((start, end)) or _run(cache, start, end, hidden))
     cfg = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    for strategy in (Strategy(), Strategy(drafter.eval(), chain=3), Strategy(drafter, tree=TreeShape(), lookup=4)):
+    for strategy in (Strategy(), Strategy(drafter, chain=3), Strategy(drafter, tree=TreeShape(), lookup=4),
+                     Strategy(tli, chain=3)):
         reuse = PromptCache(1 << 30, min_tokens=16)
         conversation = ids(30, 8)
         for turn in range(3):
+            lsa.clear()
             got = strategy.run(tiny_llama, conversation, cfg, prefill=Prefill(reuse=reuse))
+            reused_lsa, lsa[:] = list(lsa), []
+            afresh = strategy.run(tiny_llama, conversation, cfg)
             want = generate(tiny_llama.model, tiny_llama.tokenizer, conversation, cfg)
-            assert got.token_ids == want.token_ids
+            assert got.token_ids == afresh.token_ids == want.token_ids
+            assert got.accepted_lengths == afresh.accepted_lengths  # the same drafts, accepted alike
             # from the second turn on, everything but the new message (10 tokens) is reused: the previous prompt
             # and answer, but perhaps the answer's last token (only a verification past it writes its K/V)
             assert got.reused_prompt_tokens in ((0,) if turn == 0 else (len(conversation) - 11, len(conversation) - 10))
-            conversation = conversation + got.token_ids + ids(10, 9 + turn)
+            if strategy.drafter is not None:  # the drafter's kept state ends where it last took in a verification
+                start, end = reused_lsa[0]
+                assert end == len(conversation) and (start == 0 if turn == 0 else
+                                                     got.reused_prompt_tokens - max(last.accepted_lengths) <= start)
+                assert start <= got.reused_prompt_tokens
+            conversation, last = conversation + got.token_ids + ids(10, 9 + turn), got
 
 
 @pytest.mark.parametrize("max_bytes, min_tokens", [(-1, 256), (1.5, 256), ("512", 256), (1 << 20, 0)])

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moaspec.decoding.proposer import Proposal, Proposer
+from moaspec.decoding.proposer import Proposal, Proposer, Resumable
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import DraftTree, TreeShape
 from moaspec.errors import MoaspecError
@@ -106,10 +106,19 @@ class LookupProposer:
             min_ngram = 1 if drafter is None else MIN_NGRAM_BEFORE_DRAFTER
         self.index = NgramIndex(max_ngram, min_ngram)
 
-    def begin(self, target_cache: KVCache, hidden: torch.Tensor) -> None:
+    def state_name(self) -> str | None:
+        """The drafter's (see :class:`~moaspec.decoding.proposer.Resumable`): lookup's own index is rebuilt cheaply."""
+        return self.drafter.state_name() if isinstance(self.drafter, Resumable) else None
+
+    def begin(self, target_cache: KVCache, hidden: torch.Tensor, known: torch.Tensor | None = None) -> None:
         self.cache = target_cache
-        if self.drafter is not None:
+        if isinstance(self.drafter, Resumable) and known is not None:
+            self.drafter.begin(target_cache, hidden, known)
+        elif self.drafter is not None:
             self.drafter.begin(target_cache, hidden)
+
+    def kept(self) -> torch.Tensor | None:
+        return self.drafter.kept() if isinstance(self.drafter, Resumable) else None
 
     def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:

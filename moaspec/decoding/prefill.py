@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moaspec.decoding.proposer import Resumable
 from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import ChunkCallback, Transformer
@@ -167,10 +168,19 @@ class Prefill:
         hidden = out.hidden[0] if entry is None else torch.cat([entry.hidden[:n], out.hidden[0]])
         return out.logits[0, -1], hidden, n
 
-    def keep(self, tokens: Sequence[int], cache: KVCache, hidden: Sequence[torch.Tensor]) -> None:
+    def known(self, proposer: Resumable, reused: Sequence[int]) -> torch.Tensor | None:
+        """What ``proposer`` kept of the ``reused`` tokens (the prompt's reused beginning) when it last read them."""
+        name = proposer.state_name() if self.reuse is not None and reused else None
+        return None if name is None else self.reuse.extra(name, reused)  # type: ignore[union-attr]
+
+    def keep(self, tokens: Sequence[int], cache: KVCache, hidden: Sequence[torch.Tensor],
+             proposer: Resumable | None = None) -> None:
         """Store ``tokens`` (the prompt, then the verified tokens whose K/V ``cache`` holds; final states
-        ``hidden``, in pieces) for later requests, once the generation is over: the next turn of a
-        conversation begins with this one's prompt and answer. Stored at the end, the copy is not
-        on the way to the first token; decoding never rewrites a verified position."""
-        if self.reuse is not None:
-            self.reuse.store(tokens, cache, torch.cat(list(hidden)))
+        ``hidden``, in pieces), and what ``proposer`` keeps of them, for later requests, once the generation
+        is over: the next turn of a conversation begins with this one's prompt and answer. Stored at the
+        end, the copy is not on the way to the first token; decoding never rewrites a verified position."""
+        if self.reuse is None:
+            return
+        name = proposer.state_name() if proposer is not None else None
+        rows = proposer.kept() if proposer is not None and name is not None else None
+        self.reuse.store(tokens, cache, torch.cat(list(hidden)), None if rows is None else {name: rows})  # type: ignore[dict-item]

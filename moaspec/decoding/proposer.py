@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +46,26 @@ class Proposer(Protocol):
         ``path``: for a tree, the accepted nodes (``None`` for a chain's accepted prefix).
         ``hidden``: the target's final hidden states of the newly verified tokens.
         """
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """A proposer that may begin from what an earlier generation left in a prompt cache.
+
+    Its state per verified position (MoA: SA's K/V of the token, CA's keys/values of the
+    memory entry) depends on nothing but that position's token and the target's K/V there,
+    so a conversation's next turn can reuse it wherever it reuses the target's K/V.
+    A proposer without it (a test's stub, prompt lookup alone) simply starts afresh.
+    """
+
+    def state_name(self) -> str | None:
+        """What its state is stored under (naming the drafter exactly); None: it keeps none."""
+
+    def begin(self, target_cache: KVCache, hidden: torch.Tensor, known: torch.Tensor | None = None) -> None:
+        """As :meth:`Proposer.begin`, starting from ``known``: rows that :meth:`kept` gave for the first positions."""
+
+    def kept(self) -> torch.Tensor | None:
+        """Its state of the first verified positions, one row each, to store when the generation ends."""
 
 
 def check_confidence(p: float) -> float:

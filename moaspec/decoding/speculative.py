@@ -22,7 +22,7 @@ import torch
 from moaspec.chat import check_fits
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback, TokenSink
 from moaspec.decoding.prefill import Prefill
-from moaspec.decoding.proposer import Proposer
+from moaspec.decoding.proposer import Proposer, Resumable
 from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.decoding.verify import verify_greedy, verify_sampling
@@ -53,6 +53,7 @@ class Run:
     prefill: Prefill
     hidden: list[torch.Tensor]  # the final states of the cached positions, in pieces: kept with their K/V at the end
     reused_prompt_tokens: int = 0
+    resumable: Resumable | None = None  # the proposer, when its state is kept with the prompt cache
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
 
@@ -67,7 +68,7 @@ class Run:
 
     def result(self) -> GenerationResult:
         text = self.sink.close()
-        self.prefill.keep(self.tokens[: self.cache.length], self.cache, self.hidden)
+        self.prefill.keep(self.tokens[: self.cache.length], self.cache, self.hidden, self.resumable)
         return GenerationResult(
             token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish, prompt_tokens=self.prompt_tokens,
             prefill_s=self.prefill_s, total_s=time.perf_counter() - self.t0, target_calls=len(self.accepted),
@@ -91,10 +92,14 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     t0 = time.perf_counter()
     logits, hidden, reused = prefill(model, prompt_ids, cache)
     tokens = list(prompt_ids) + [select_token(logits, config.sampling, gen)]
+    resumable = proposer if prefill.reuse is not None and isinstance(proposer, Resumable) else None
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
-              prefill, [hidden], reused)
+              prefill, [hidden], reused, resumable)
     if not sink.push(tokens[-1:]):
-        proposer.begin(cache, hidden)
+        if resumable is not None:
+            resumable.begin(cache, hidden, prefill.known(resumable, prompt_ids[:reused]))
+        else:
+            proposer.begin(cache, hidden)
     return run
 
 
