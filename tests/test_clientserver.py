@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from moaspec.clientserver import codec
 from moaspec.clientserver.client import RemoteTarget, ServerRefused, SplitGeneration
 from moaspec.clientserver.netem import PROFILES, NetworkProxy, parse_profile
-from moaspec.clientserver.sessions import Limits, SessionStore
+from moaspec.clientserver.sessions import Limits, SessionError, SessionStore
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.prefill import PromptCache
 from moaspec.decoding.strategy import Strategy
@@ -588,16 +588,47 @@ def test_a_session_prefill_alone_takes_every_core_and_verifies_on_its_share(tiny
     assert seen == [(8, 2), (8, 2), (4, 2), (3, 1), (8, 1), (8, 1), (4, 1)]
 
 
-def test_a_conversation_over_the_network_reads_each_turn_once(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("tli", [False, True])
+def test_a_conversation_over_the_network_reads_and_sends_each_turn_once(tiny_llama, drafter, tli_drafter, tli) -> None:  # type: ignore[no-untyped-def]
+    """One client holding a conversation: each next turn the server reads only what is new (its prompt cache), and
+    the client begins from its drafter's state of the last turn, so the server sends only the new tokens' state;
+    the answer is the target's own, drafted exactly as a fresh client drafts it."""
+    d = tli_drafter if tli else drafter
     reuse = PromptCache(1 << 30, min_tokens=8)
+    cfg = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    context = tiny_llama.cfg.max_position_embeddings
+
+    def client() -> SplitGeneration:
+        return SplitGeneration(d, tiny_llama.tokenizer, RemoteTarget(url, KEY, retries=0), set(), draft_len=3, max_draft=8)
+
     turn1 = token_ids(24, 3)
-    with running(make_app(tiny_llama, drafter, reuse)) as url:
-        first = split(tiny_llama, drafter, url, 16, draft_len=3, prompt=turn1)
+    with running(make_app(tiny_llama, [drafter, tli_drafter], reuse)) as url:
+        gen = client()
+        first = gen.run(turn1, cfg, context)
         turn2 = turn1 + first.token_ids + token_ids(6, 4)
-        second = split(tiny_llama, drafter, url, 16, draft_len=3, prompt=turn2)
-    assert first.cached_tokens == 0 and len(turn1) + len(first.token_ids) - 1 <= second.cached_tokens < len(turn2)
-    vanilla2 = generate(tiny_llama.model, tiny_llama.tokenizer, turn2, GenerationConfig(max_new_tokens=16, ignore_eos=True))
-    assert second.token_ids == vanilla2.token_ids
+        second = gen.run(turn2, cfg, context)
+        afresh = client().run(turn2, cfg, context)
+    assert first.cached_tokens == first.carried_tokens == 0
+    assert len(turn1) + len(first.token_ids) - 1 <= second.cached_tokens < len(turn2)
+    assert len(turn1) <= second.carried_tokens < len(turn2) and afresh.carried_tokens == 0
+    want = generate(tiny_llama.model, tiny_llama.tokenizer, turn2, cfg).token_ids
+    assert second.token_ids == afresh.token_ids == want
+    assert second.accepted_lengths == afresh.accepted_lengths
+    assert second.state_bytes < afresh.state_bytes and second.bytes_received < afresh.bytes_received
+
+
+def test_a_client_that_holds_a_prompts_state_is_sent_only_the_rest(tiny_llama, tli_drafter) -> None:  # type: ignore[no-untyped-def]
+    store = SessionStore(tiny_llama, tli_drafter, Limits(max_draft=8))
+    prompt = token_ids(20, 7)
+    whole, rest = store.open(prompt, "moa", "fp16", 4, layers=1), store.open(prompt, "moa", "fp16", 4, layers=1, have_state=15)
+    assert whole["state_start"] == 0 and rest["state_start"] == 15
+    for key, per_token in (("state", 1), ("layers", 1)):
+        a, b = codec.decode(whole[key]), codec.decode(rest[key])
+        assert b.shape[0] == 5 * per_token and torch.equal(a[15 * per_token:], b)
+    assert store.info()["have_state"] is True
+    for bad in (20, 21, -1):
+        with pytest.raises(SessionError, match="have_state must be in 0..19"):
+            store.open(prompt, "moa", "fp16", 4, have_state=bad)
 
 
 @pytest.fixture(scope="module")

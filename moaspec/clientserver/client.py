@@ -182,9 +182,13 @@ class RemoteTarget:
         return answer
 
     def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int, layers: int = 0,
-             drafter: str | None = None, sampling: SamplingParams = GREEDY) -> dict[str, Any]:
+             drafter: str | None = None, sampling: SamplingParams = GREEDY, have_state: int = 0) -> dict[str, Any]:
+        """Open a session; ``have_state``: the client holds the state of the prompt's first tokens (only servers
+        whose info says ``have_state`` take it)."""
         body: dict[str, Any] = {"prompt": list(prompt), "state": kind, "state_format": fmt,
                                 "max_new_tokens": max_new_tokens}
+        if have_state:
+            body["have_state"] = have_state
         if layers:
             body["target_layers"] = layers
         if drafter:
@@ -251,6 +255,24 @@ class SplitMoAProposer(MoAProposer):
     def _rollback(self, verified: int, keep_slots: list[int] | None, hidden: torch.Tensor | None) -> None:
         assert self.state is not None
         self._keep_accepted(self.state.sa, verified, keep_slots)
+
+    def held(self) -> int:
+        """Leading positions whose state here all came from verified tokens: SA's entries, the memory (and the
+        target layers' K/V). A verification's newest token, and an unverified tail, are past them."""
+        assert self.state is not None
+        n = min(self.state.sa.length, self.state.memory.length)
+        return n if self.tli is None else min(n, self.tli.length)
+
+    def carry(self, old: SplitMoAProposer, n: int) -> None:
+        """Begin with ``old``'s state of the first ``n`` positions (at most its :meth:`held`; the same tokens)."""
+        assert self.state is not None and old.state is not None
+        pairs = [(self.state.sa, old.state.sa), (self.state.memory, old.state.memory)]
+        if self.tli is not None and old.tli is not None:
+            pairs.append((self.tli, old.tli))
+        for new, prev in pairs:
+            new.keys[:, :, :, :n] = prev.keys[:, :, :, :n]
+            new.values[:, :, :, :n] = prev.values[:, :, :, :n]
+            new.length = n
 
     def receive(self, start: int, entries: torch.Tensor) -> None:
         """Add memory entries for positions ``start..``; those already held are skipped."""
@@ -349,6 +371,7 @@ class SplitResult:
     resyncs: int = 0
     pipeline_hits: int = 0
     cached_tokens: int = 0  # prompt tokens the server did not read again (its prompt cache held them), over every open
+    carried_tokens: int = 0  # prompt tokens whose state the client held from its last turn (not sent again), ditto
 
     @property
     def tau(self) -> float:
@@ -363,7 +386,8 @@ class SplitResult:
                 "bytes_per_token": round((self.bytes_sent + self.bytes_received) / n, 1),
                 "state_bytes_per_token": round(self.state_bytes / n, 1), "unverified": self.unverified,
                 "offline_tokens": self.offline_tokens, "resyncs": self.resyncs,
-                "pipeline_hits": self.pipeline_hits, "cached_tokens": self.cached_tokens}
+                "pipeline_hits": self.pipeline_hits, "cached_tokens": self.cached_tokens,
+                "carried_tokens": self.carried_tokens}
 
 
 def _sparse(probs: torch.Tensor) -> Dist:
@@ -398,6 +422,11 @@ class SplitGeneration:
         self.state_bytes = 0
         self.pipeline_hits = 0  # verifications whose next drafts were ready when the answer came
         self.cached_tokens = 0  # prompt tokens the server reused from its prompt cache, over every open
+        self.carried_tokens = 0  # prompt tokens whose state this client held, so the server did not send it
+        # a MoA client's verified text and drafter state after its last generation: the next turn of a
+        # conversation (which begins with it) starts from that state, and the server sends only the rest
+        self._previous: tuple[list[int], SplitMoAProposer] | None = None
+        self._server_takes_have_state: bool | None = None  # asked once, when first needed
 
     # --- helpers ------------------------------------------------------------------------
 
@@ -419,14 +448,33 @@ class SplitGeneration:
         self.state_bytes += codec.payload_bytes(state)
         self.proposer.receive(start, codec.decode(state))
 
-    def _open(self, prompt: Sequence[int], budget: int) -> int:
+    def _open(self, prompt: Sequence[int], budget: int, have: int = 0) -> int:
+        """Open a session on ``prompt`` whose first ``have`` tokens' state the proposer already holds."""
         layers = self.proposer.layers if isinstance(self.proposer, SplitMoAProposer) else 0
+        have = min(have, len(prompt) - 1) if have > 0 and self._takes_have_state() else 0
         answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers, self.fingerprint,
-                                  self.sampling)
+                                  self.sampling, have_state=have)
         self.session = answer["session"]
         self.cached_tokens += int(answer.get("cached_tokens") or 0)  # servers before the prompt cache do not say
-        self._take_state(answer, 0)
+        self.carried_tokens += have
+        self._take_state(answer, int(answer.get("state_start") or 0))  # from 0, what it holds is skipped
         return int(answer["token"])
+
+    def _takes_have_state(self) -> bool:
+        if self._server_takes_have_state is None:
+            self._server_takes_have_state = bool(self.remote.info().get("have_state"))
+        return self._server_takes_have_state
+
+    def _carry(self, prompt_ids: Sequence[int]) -> int:
+        """Begin from the last generation's drafter state as far as its verified text begins ``prompt_ids``."""
+        if self._previous is None or not isinstance(self.proposer, SplitMoAProposer):
+            return 0
+        tokens, old = self._previous
+        n = min(old.held(), len(tokens), len(prompt_ids) - 1)
+        n = next((i for i in range(n) if tokens[i] != prompt_ids[i]), n)
+        if n > 0:
+            self.proposer.carry(old, n)
+        return n
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -442,7 +490,8 @@ class SplitGeneration:
 
     def _run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
         t0 = time.perf_counter()
-        self.pipeline_hits = self.state_bytes = self.cached_tokens = 0
+        calls, sent, received = self.remote.calls, self.remote.bytes_sent, self.remote.bytes_received  # this run's: the rest
+        self.pipeline_hits = self.state_bytes = self.cached_tokens = self.carried_tokens = 0
         self.sampling = config.sampling  # the server's, sent when the session opens
         self.generator = None if config.sampling.greedy else config.sampling.generator()
         self.draft_sampling = config.sampling if config.sampling.greedy else replace(
@@ -456,7 +505,7 @@ class SplitGeneration:
         self.proposer.begin(self.view)  # type: ignore[arg-type]
         self.index = NgramIndex(min_ngram=MIN_NGRAM_BEFORE_DRAFTER)  # a drafter always stands behind it here
         try:
-            first = self._open(prompt_ids, budget)
+            first = self._open(prompt_ids, budget, self._carry(prompt_ids))
         except ServerUnreachable as exc:
             raise MoaspecError(f"cannot reach the server to start: {exc}") from None
         ttft = time.perf_counter() - t0
@@ -518,13 +567,15 @@ class SplitGeneration:
             unverified = tail[: min(cut, budget - len(sink.tokens))]
             text += self.tokenizer.decode(unverified, skip_special_tokens=True)
         self.remote.close(self.session)
+        self._previous = (self.tokens[: self.verified], self.proposer) if isinstance(self.proposer, SplitMoAProposer) else None
         finish = sink.finish or ("eos" if any(t in self.eos for t in self.tokens[self.verified:]) else "length")
         return SplitResult(
             token_ids=sink.tokens + unverified, text=text, finish_reason=finish, prompt_tokens=len(prompt_ids),
-            total_s=time.perf_counter() - t0, ttft_s=ttft, server_calls=self.remote.calls,
-            bytes_sent=self.remote.bytes_sent, bytes_received=self.remote.bytes_received, state_bytes=self.state_bytes,
+            total_s=time.perf_counter() - t0, ttft_s=ttft, server_calls=self.remote.calls - calls,
+            bytes_sent=self.remote.bytes_sent - sent, bytes_received=self.remote.bytes_received - received,
+            state_bytes=self.state_bytes,
             accepted_lengths=self.accepted, unverified=len(unverified), offline_tokens=offline_tokens, resyncs=resyncs,
-            pipeline_hits=self.pipeline_hits, cached_tokens=self.cached_tokens,
+            pipeline_hits=self.pipeline_hits, cached_tokens=self.cached_tokens, carried_tokens=self.carried_tokens,
         )
 
     def _extend(self, drafts: list[int], shown: Detokenizer, dists: list[Dist]) -> None:
@@ -632,7 +683,8 @@ class SplitGeneration:
                     if exc.status not in (404, 409):
                         raise
                     # the session expired, or a lost answer advanced it: open a new one on the verified text
-                    first = self._open(self.tokens[: self.verified], max(1, self.sink.budget - len(self.sink.tokens)))
+                    held = self.proposer.held() if isinstance(self.proposer, SplitMoAProposer) else 0
+                    first = self._open(self.tokens[: self.verified], max(1, self.sink.budget - len(self.sink.tokens)), held)
                     agrees = chunk[0] == first
                     self.tokens[self.verified:] = [first] + (self.tokens[self.verified + 1:] if agrees else [])
                     self.tail_q = self.tail_q[1:] if agrees else []

@@ -54,6 +54,7 @@ class OpenRequest(BaseModel):
     target_layers: StrictInt = Field(0, ge=0)  # send the last N layers' K/V too (a client with Target Layer Inference)
     drafter: str | None = Field(None, max_length=64)  # the client's MoA drafter (fingerprint), if the server holds several
     sampling: SamplingRequest = SamplingRequest()
+    have_state: StrictInt = Field(0, ge=0)  # the client holds the state of the prompt's first tokens: send the rest
 
 
 class DraftDist(BaseModel):
@@ -103,7 +104,7 @@ def router(store: SessionStore, workers: int = 2) -> APIRouter:
         try:
             return await unless_disconnected(
                 _call(limiter, store.open, req.prompt, req.state, req.state_format, req.max_new_tokens,
-                      req.target_layers, req.drafter, req.sampling.params(), check), request)
+                      req.target_layers, req.drafter, req.sampling.params(), check, req.have_state), request)
         finally:
             gone.set()
 

@@ -142,7 +142,7 @@ class SessionStore:
                 "moa_drafters": list(self._moas), "max_target_layers": self.target.cfg.num_layers - 1,
                 "max_sessions": lim.max_sessions, "max_prompt_tokens": lim.max_prompt_tokens,
                 "max_new_tokens": lim.max_new_tokens, "max_draft": lim.max_draft, "ttl_s": lim.ttl_s,
-                "open_sessions": len(self._sessions)}
+                "open_sessions": len(self._sessions), "have_state": True}  # opens take have_state (older servers: no)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -163,36 +163,40 @@ class SessionStore:
         if bad is not None:
             raise SessionError(400, f"{what} holds token id {bad}, outside the vocabulary [0, {self.target.cfg.vocab_size})")
 
-    def _state_of(self, s: Session, start: int, end: int, hidden: torch.Tensor, known: torch.Tensor | None = None
-                  ) -> dict[str, Any]:
-        """The answer's ``state`` (and ``layers``) for the newly verified positions ``start..end-1``.
+    def _state_of(self, s: Session, start: int, end: int, hidden: torch.Tensor, known: torch.Tensor | None = None,
+                  held: int = 0) -> dict[str, Any]:
+        """The answer's ``state`` (and ``layers``) for the newly verified positions ``start..end-1``, but the
+        first ``held`` of them, which the client already holds (``state_start`` says where they begin).
 
         ``known``: MoA memory entries of the first of them, from the prompt cache (LSA over a
         3,100-token prompt takes 1.3 s on one CPU thread).
         """
-        fn, state = s.state, None
+        fn, state, send = s.state, None, start + held
         if fn is not None:
             done = start if known is None else start + len(known)
             state = fn(s.cache, done, end, hidden[done - start:])
             state = state if known is None else torch.cat([known.to(state.dtype), state])
             if s.memory is not None:
-                s.entries.append(state)
-        out: dict[str, Any] = {"state": None if state is None else codec.encode(state, s.fmt)}
+                s.entries.append(state)  # every row, for the prompt cache, whatever the client is sent
+        out: dict[str, Any] = {"state": None if state is None else codec.encode(state[held:], s.fmt), "state_start": send}
         if s.layers:
-            out["layers"] = codec.encode(last_layers_kv(s.cache, start, end, s.layers), s.fmt)
+            out["layers"] = codec.encode(last_layers_kv(s.cache, send, end, s.layers), s.fmt)
         return out
 
     @torch.inference_mode()
     def open(self, prompt: Sequence[int], kind: str = "moa", fmt: str = "fp16",
              max_new_tokens: int | None = None, layers: int = 0, drafter: str | None = None,
-             sampling: SamplingParams = SamplingParams(), on_prefill: ChunkCallback | None = None) -> dict[str, Any]:
+             sampling: SamplingParams = SamplingParams(), on_prefill: ChunkCallback | None = None,
+             have_state: int = 0) -> dict[str, Any]:
         """Prefill ``prompt``; answer the session id, the first token and the prompt's state.
 
         ``layers``: how many of the target's last layers' K/V to send with every state;
         ``drafter``: the fingerprint of the client's MoA drafter (may be left out when the
         server holds only one); ``sampling``: how the session picks the target's tokens
         (greedy by default); ``on_prefill``: follows the prefill chunk by chunk, and may raise
-        to abandon it (the session is then dropped).
+        to abandon it (the session is then dropped); ``have_state``: the client already holds the
+        state of the prompt's first tokens (a conversation's next turn, or a session reopened after
+        it expired), so only the rest is sent: for MoA over fp16, 1,152 bytes per token saved.
         """
         lim = self.limits
         if not prompt:
@@ -210,6 +214,9 @@ class SessionStore:
         if not 0 <= layers < self.target.cfg.num_layers:
             raise SessionError(400, f"target_layers must be in 0..{self.target.cfg.num_layers - 1}, got {layers}")
         self._check_ids(prompt, "the prompt")
+        if not 0 <= have_state < len(prompt):
+            raise SessionError(400, f"have_state must be in 0..{len(prompt) - 1} (the prompt's last token always gets "
+                                    f"its state), got {have_state}")
         budget = min(max_new_tokens or lim.max_new_tokens, lim.max_new_tokens, context - len(prompt))
         self._expire()
         with self._lock:
@@ -231,7 +238,7 @@ class SessionStore:
                 s.tokens.append(first)
                 if s.memory is not None and reused:
                     known = self.prompt_cache.extra(s.memory, prompt[:reused])  # type: ignore[union-attr]
-                first_state = self._state_of(s, 0, len(prompt), hidden, known)
+                first_state = self._state_of(s, 0, len(prompt), hidden, known, have_state)
                 if self.prompt_cache is not None:
                     s.hidden.append(hidden)
         except BaseException:
