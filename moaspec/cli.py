@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--messages", default=None, help="JSON file with a list of {role, content} messages (multi-turn)")
     g.add_argument("--raw", action="store_true", help="plain completion of the prompt text, no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, tau, timings) instead of streaming")
+    g.add_argument("--chat", action="store_true",
+                   help="a conversation: after each answer, read the next message from stdin (/reset starts over, "
+                        "/exit or end of input ends it); each turn reads only what is new of the conversation")
     g.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the one shipped for the target)")
     g.add_argument("--no-draft", action="store_true", help="plain decoding, one target forward per token")
     _add_decoding_options(g)
@@ -467,7 +470,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     messages = _read_messages(args)
     prompt = args.prompt
-    if messages is None:
+    if args.chat and (args.json or args.raw):
+        raise MoaspecError("--chat streams a conversation in the chat template: not with --json or --raw")
+    if messages is None and not (args.chat and prompt is None):
         if prompt == "-":
             prompt = _read_stdin()
         if prompt is None or not prompt.strip():
@@ -478,6 +483,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     loaded = _load(args)
+    if args.chat:
+        return _chat(args, loaded, _strategy(args, loaded), config, messages, prompt)
     ids = encode_chat(loaded.tokenizer, messages) if messages is not None else encode_prompt(loaded, prompt, args.system,
                                                                                               args.raw)
 
@@ -503,6 +510,64 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[moaspec: stopped after {result.new_tokens} tokens: the model's context window "
                   f"({loaded.cfg.max_position_embeddings} tokens) is full]", file=sys.stderr)
     return 0
+
+
+CHAT_CACHE_BYTES = 512 << 20  # the conversation's K/V: 46 KB a token for SmolLM2, so about 11,000 tokens
+
+
+def _chat(args: argparse.Namespace, loaded, strategy, config, messages: list[dict[str, str]] | None,  # type: ignore[no-untyped-def]
+          prompt: str | None) -> int:
+    """``generate --chat``: answer, then read the next message, until /exit or the end of input.
+
+    Each turn's prompt is the whole conversation; a prompt cache keeps what the last turn read
+    and wrote (the target's K/V, the drafter's state), so only the new message is read. Ctrl-C
+    stops an answer (what it wrote stays in the conversation) or, at the prompt, ends the chat.
+    """
+    from moaspec.chat import chat_messages, encode_chat, validate_messages
+    from moaspec.decoding.prefill import Prefill, PromptCache
+
+    start = validate_messages(messages) if messages is not None else chat_messages(prompt, args.system) if prompt else (
+        [{"role": "system", "content": args.system}] if args.system else [])
+    history = list(start)
+    reuse = PromptCache(CHAT_CACHE_BYTES)
+    tty = sys.stdin.isatty()
+    if tty:
+        import readline  # noqa: F401  (line editing and history for input())
+
+        print("(a conversation: /reset starts over, /exit or Ctrl-D ends it, Ctrl-C stops an answer)", file=sys.stderr)
+    while True:
+        if not history or history[-1]["role"] != "user":
+            try:
+                line = input("> " if tty else "").strip()
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return 0
+            if line in ("/exit", "/quit"):
+                return 0
+            if line == "/reset":
+                history = [m for m in start if m["role"] == "system"]
+                continue
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+        written: list[str] = []
+
+        def stream(text: str, drafted: bool, written: list[str] = written) -> None:
+            written.append(text)
+            sys.stdout.write(f"{DRAFT_COLOUR}{text}{RESET}" if drafted and args.show_drafts else text)
+            sys.stdout.flush()
+
+        ids = encode_chat(loaded.tokenizer, history)
+        try:
+            strategy.run(loaded, ids, config, on_piece=stream, prefill=Prefill(_prefill_bar(len(ids)), reuse))
+        except KeyboardInterrupt:
+            print(" [stopped]", end="", file=sys.stderr)
+        except MoaspecError as exc:  # the conversation outgrew the context window
+            history.pop()
+            print(f"[moaspec: {exc}; /reset starts a new conversation]", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(written)})
 
 
 PREFILL_BAR_TOKENS = 2048  # prompts this long take seconds to read on a CPU (7,800 tokens: 23 s, 2 cores)

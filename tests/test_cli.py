@@ -452,3 +452,26 @@ def test_a_long_prompt_is_read_under_a_progress_bar_on_a_terminal_only(monkeypat
     assert "reading the prompt" in term.text and "2048/3000" in term.text
     update(3000, 3000)
     assert term.text.endswith("\r") and term.text.rstrip("\r").split("\r")[-1].strip() == ""  # then cleared
+
+
+def test_generate_chat_holds_a_conversation(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``--chat`` answers a prompt, then each line of stdin as the next turn of one conversation (each answer the one
+    generate gives for the whole conversation), starts over at /reset, and ends at the end of input."""
+    common = ("--model", str(tiny_dirs["llama"]), "--max-new-tokens", "6")
+    proc = run_cli("generate", "hi", "--chat", *common, stdin="again\n\n/reset\nhi\n")
+    assert proc.returncode == 0, proc.stderr
+    first = json.loads(run_cli("generate", "hi", *common, "--json").stdout)["text"]
+    msgs = tmp_path / "conv.json"
+    msgs.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": first},
+                                {"role": "user", "content": "again"}]))
+    second = json.loads(run_cli("generate", "--messages", str(msgs), *common, "--json").stdout)["text"]
+    assert proc.stdout == f"{first}\n{second}\n{first}\n"  # the blank line is no turn
+    assert_one_line_error(run_cli("generate", "hi", "--chat", "--json", *common), "--chat")
+
+
+def test_generate_chat_survives_a_message_too_long_for_the_context(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli("generate", "--chat", "--model", str(tiny_dirs["llama"]), "--max-new-tokens", "4",
+                   stdin="word " * 5000 + "\nhi\n/exit\nnever read\n")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    hi = json.loads(run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), "--max-new-tokens", "4", "--json").stdout)
+    assert "/reset starts a new conversation" in proc.stderr and proc.stdout == hi["text"] + "\n"
