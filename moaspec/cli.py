@@ -358,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
     c.add_argument("--api-key", default=None, help="bearer token (default: $MOASPEC_API_KEY)")
     c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--chat", action="store_true",
+                   help="a conversation, as generate --chat: each turn the server reads only what is new, and a MoA "
+                        "client keeps its drafter's state of the conversation, so the server sends only the new tokens'")
     c.add_argument("--drafter", default=None, help="MoA (any N), EAGLE or independent drafter (default: the MoA one shipped for the target)")
     c.add_argument("--chain", type=int, default=_default_chain(), metavar="T",
                    help=f"drafts per verification (default {_default_chain()}, as for generate)")
@@ -483,8 +486,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     loaded = _load(args)
-    if args.chat:
-        return _chat(args, loaded, _strategy(args, loaded), config, messages, prompt)
+    if args.chat:  # a prompt cache keeps what each turn read and wrote: the next reads only the new message
+        from moaspec.decoding.prefill import PromptCache
+
+        strategy, reuse = _strategy(args, loaded), PromptCache(CHAT_CACHE_BYTES)
+
+        def answer(ids: list[int], write: Writer) -> None:
+            strategy.run(loaded, ids, config, on_piece=lambda text, drafted: write(text, DRAFT_COLOUR if drafted and
+                         args.show_drafts else ""), prefill=Prefill(_prefill_bar(len(ids)), reuse))
+
+        return _chat(loaded.tokenizer, answer, _chat_start(args, messages, prompt))
     ids = encode_chat(loaded.tokenizer, messages) if messages is not None else encode_prompt(loaded, prompt, args.system,
                                                                                               args.raw)
 
@@ -515,21 +526,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 CHAT_CACHE_BYTES = 512 << 20  # the conversation's K/V: 46 KB a token for SmolLM2, so about 11,000 tokens
 
 
-def _chat(args: argparse.Namespace, loaded, strategy, config, messages: list[dict[str, str]] | None,  # type: ignore[no-untyped-def]
-          prompt: str | None) -> int:
-    """``generate --chat``: answer, then read the next message, until /exit or the end of input.
+Writer = Callable[[str, str], None]  # (text, its colour) → the terminal, and the conversation
 
-    Each turn's prompt is the whole conversation; a prompt cache keeps what the last turn read
-    and wrote (the target's K/V, the drafter's state), so only the new message is read. Ctrl-C
-    stops an answer (what it wrote stays in the conversation) or, at the prompt, ends the chat.
+
+def _chat(tokenizer: Any, answer: Callable[[list[int], Writer], None], start: list[dict[str, str]]) -> int:
+    """``--chat``: answer, then read the next message from stdin, until /exit or the end of input.
+
+    Each turn's prompt is the whole conversation so far (``start`` then the turns); ``answer``
+    streams the reply to it through its writer. Ctrl-C stops an answer (what it wrote stays in
+    the conversation) or, at the prompt, ends the chat; a message the model's context no longer
+    holds is refused and the chat goes on.
     """
-    from moaspec.chat import chat_messages, encode_chat, validate_messages
-    from moaspec.decoding.prefill import Prefill, PromptCache
+    from moaspec.chat import encode_chat
+    from moaspec.errors import PromptError
 
-    start = validate_messages(messages) if messages is not None else chat_messages(prompt, args.system) if prompt else (
-        [{"role": "system", "content": args.system}] if args.system else [])
     history = list(start)
-    reuse = PromptCache(CHAT_CACHE_BYTES)
     tty = sys.stdin.isatty()
     if tty:
         import readline  # noqa: F401  (line editing and history for input())
@@ -552,22 +563,33 @@ def _chat(args: argparse.Namespace, loaded, strategy, config, messages: list[dic
             history.append({"role": "user", "content": line})
         written: list[str] = []
 
-        def stream(text: str, drafted: bool, written: list[str] = written) -> None:
+        def write(text: str, colour: str, written: list[str] = written) -> None:
             written.append(text)
-            sys.stdout.write(f"{DRAFT_COLOUR}{text}{RESET}" if drafted and args.show_drafts else text)
+            sys.stdout.write(f"{colour}{text}{RESET}" if colour else text)
             sys.stdout.flush()
 
-        ids = encode_chat(loaded.tokenizer, history)
         try:
-            strategy.run(loaded, ids, config, on_piece=stream, prefill=Prefill(_prefill_bar(len(ids)), reuse))
+            answer(encode_chat(tokenizer, history), write)
         except KeyboardInterrupt:
             print(" [stopped]", end="", file=sys.stderr)
-        except MoaspecError as exc:  # the conversation outgrew the context window
+        except MoaspecError as exc:  # the conversation outgrew the context window, or no server answers
             history.pop()
-            print(f"[moaspec: {exc}; /reset starts a new conversation]", file=sys.stderr)
+            hint = "; /reset starts a new conversation" if isinstance(exc, PromptError) else ""
+            print(f"[moaspec: {exc}{hint}]", file=sys.stderr)
             continue
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(written)})
+
+
+def _chat_start(args: argparse.Namespace, messages: list[dict[str, str]] | None, prompt: str | None) -> list[dict[str, str]]:
+    """The conversation ``--chat`` begins with: ``--messages``, or the prompt (with ``--system``), or nothing."""
+    from moaspec.chat import chat_messages, validate_messages
+
+    if messages is not None:
+        return validate_messages(messages)
+    if prompt:
+        return chat_messages(prompt, args.system)
+    return [{"role": "system", "content": args.system}] if args.system else []
 
 
 PREFILL_BAR_TOKENS = 2048  # prompts this long take seconds to read on a CPU (7,800 tokens: 23 s, 2 cores)
@@ -830,8 +852,10 @@ def cmd_client(args: argparse.Namespace) -> int:
     from moaspec.drafters.moa import MoADrafter
     from moaspec.errors import PromptError
 
-    prompt = _read_stdin() if args.prompt == "-" else args.prompt
-    if prompt is None or not prompt.strip():
+    prompt = _read_stdin() if args.prompt == "-" and not args.chat else args.prompt
+    if args.chat and args.json:
+        raise MoaspecError("--chat streams a conversation: not with --json")
+    if (prompt is None and not args.chat) or (prompt is not None and not prompt.strip()):
         raise PromptError("the prompt is empty")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                               sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
@@ -875,14 +899,17 @@ def cmd_client(args: argparse.Namespace) -> int:
                            "(--drafter or --remote-drafter), whose server half (LSA) makes the memory this client reads")
     colours = {"draft": DRAFT_COLOUR, "unverified": UNVERIFIED_COLOUR, "target": ""}
 
+    def shown(text: str, colour: str) -> None:
+        sys.stdout.write(f"{colour}{text}{RESET}" if colour else text)
+        sys.stdout.flush()
+
+    write: Writer = shown  # the chat swaps in its own each turn
+
     def piece(text: str, kind: str) -> None:
         if cut_after is not None and proxy is not None and len(gen.sink.tokens) >= cut_after:
             proxy.cut()
-        if args.json:
-            return
-        colour = colours[kind] if (args.show_drafts or kind == "unverified") else ""
-        sys.stdout.write(f"{colour}{text}{RESET}" if colour else text)
-        sys.stdout.flush()
+        if not args.json:
+            write(text, colours[kind] if (args.show_drafts or kind == "unverified") else "")
 
     def event(text: str) -> None:
         print(f"\n[moaspec: {text}]", file=sys.stderr, flush=True)
@@ -891,9 +918,21 @@ def cmd_client(args: argparse.Namespace) -> int:
                           draft_len=args.chain, confidence=args.draft_confidence, fmt=args.state_format,
                           max_draft=int(info["max_draft"]),
                           lookup=args.lookup, tree=_tree_shape(args), on_piece=piece, on_event=None if args.json else event)
-    ids = encode_chat(loaded.tokenizer, chat_messages(prompt, args.system))
+    def unverified_note(result: Any) -> None:
+        if result.unverified:
+            print(f"[moaspec: the last {result.unverified} tokens ({UNVERIFIED_COLOUR}coloured{RESET}) were never "
+                  "verified: the server stayed unreachable]", file=sys.stderr)
+
+    def answer(ids: list[int], writer: Writer) -> None:
+        nonlocal write
+        write = writer
+        unverified_note(gen.run(ids, config, loaded.cfg.max_position_embeddings))
+
     try:
-        result = gen.run(ids, config, loaded.cfg.max_position_embeddings)
+        if args.chat:
+            return _chat(loaded.tokenizer, answer, _chat_start(args, None, prompt))
+        result = gen.run(encode_chat(loaded.tokenizer, chat_messages(prompt, args.system)), config,
+                         loaded.cfg.max_position_embeddings)
     finally:
         remote.shutdown()
         if proxy is not None:
@@ -902,9 +941,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-        if result.unverified:
-            print(f"[moaspec: the last {result.unverified} tokens ({UNVERIFIED_COLOUR}coloured{RESET}) were never "
-                  "verified: the server stayed unreachable]", file=sys.stderr)
+        unverified_note(result)
     return 0
 
 

@@ -723,6 +723,37 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
     assert "cannot reach" in capsys.readouterr().err
 
 
+def test_the_client_command_holds_a_conversation(tiny_llama, tiny_dirs, tmp_path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``client --chat``: each line of stdin is the next turn of one conversation, answered as the target answers the
+    whole conversation; the server reads only what is new and sends only the new tokens' state."""
+    import io
+
+    from moaspec.chat import encode_chat
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import load_drafter, save_drafter, target_identity
+
+    torch.manual_seed(5)
+    path = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path / "moa", target_identity(tiny_llama))
+    opens: list[dict] = []
+    original = RemoteTarget.open
+    monkeypatch.setattr(RemoteTarget, "open", lambda self, *a, **k: opens.append(k) or original(self, *a, **k))
+    reuse = PromptCache(1 << 30, min_tokens=8)
+    with running(make_app(tiny_llama, load_drafter(path, tiny_llama), reuse)) as url:
+        monkeypatch.setattr("sys.stdin", io.StringIO("and then?\n"))
+        args = ["client", "--server", url, "--api-key", KEY, "--model", str(tiny_dirs["llama"]), "--max-new-tokens", "8",
+                "--drafter", str(path), "--chat", "The quick brown fox"]
+        assert main(args) == 0
+    cfg = GenerationConfig(max_new_tokens=8)
+    history = [{"role": "user", "content": "The quick brown fox"}]
+    first = generate(tiny_llama.model, tiny_llama.tokenizer, encode_chat(tiny_llama.tokenizer, history), cfg).text
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "and then?"}]
+    second = generate(tiny_llama.model, tiny_llama.tokenizer, encode_chat(tiny_llama.tokenizer, history), cfg).text
+    assert capsys.readouterr().out == f"{first}\n{second}\n"
+    assert [k.get("have_state", 0) > 0 for k in opens] == [False, True]
+    assert main(["client", "--server", "http://127.0.0.1:9", "--chat", "--json", "hi"]) == 2
+    assert "--chat streams a conversation" in capsys.readouterr().err
+
+
 def test_bench_cs_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     import json as jsonlib
 
