@@ -128,7 +128,7 @@ def test_next_turns_decode_as_without_reuse(tiny_llama, monkeypatch) -> None:  #
     for strategy in (Strategy(), Strategy(drafter, chain=3), Strategy(drafter, tree=TreeShape(), lookup=4),
                      Strategy(tli, chain=3)):
         reuse = PromptCache(1 << 30, min_tokens=16)
-        conversation = ids(30, 8)
+        conversation, step = ids(30, 8), 0  # step: the most tokens one verification of the last turn took in
         for turn in range(3):
             lsa.clear()
             got = strategy.run(tiny_llama, conversation, cfg, prefill=Prefill(reuse=reuse))
@@ -142,10 +142,9 @@ def test_next_turns_decode_as_without_reuse(tiny_llama, monkeypatch) -> None:  #
             assert got.reused_prompt_tokens in ((0,) if turn == 0 else (len(conversation) - 11, len(conversation) - 10))
             if strategy.drafter is not None:  # the drafter's kept state ends where it last took in a verification
                 start, end = reused_lsa[0]
-                assert end == len(conversation) and (start == 0 if turn == 0 else
-                                                     got.reused_prompt_tokens - max(last.accepted_lengths) <= start)
+                assert end == len(conversation) and (start == 0 if turn == 0 else got.reused_prompt_tokens - step <= start)
                 assert start <= got.reused_prompt_tokens
-            conversation, last = conversation + got.token_ids + ids(10, 9 + turn), got
+            conversation, step = conversation + got.token_ids + ids(10, 9 + turn), max(got.accepted_lengths)
 
 
 @pytest.mark.parametrize("max_bytes, min_tokens", [(-1, 256), (1.5, 256), ("512", 256), (1 << 20, 0)])
