@@ -236,8 +236,8 @@ class SessionStore:
                 logits, hidden, reused = Prefill(on_prefill, self.prompt_cache, threads)(self.target.model, prompt, cache)
                 first = select_token(logits, sampling, s.generator)
                 s.tokens.append(first)
-                if s.memory is not None and reused:
-                    known = self.prompt_cache.extra(s.memory, prompt[:reused])  # type: ignore[union-attr]
+                if self.prompt_cache is not None and s.memory is not None and reused:
+                    known = self.prompt_cache.extra(s.memory, prompt[:reused])
                 first_state = self._state_of(s, 0, len(prompt), hidden, known, have_state)
                 if self.prompt_cache is not None:
                     s.hidden.append(hidden)
@@ -373,6 +373,6 @@ class SessionStore:
         """
         if self.prompt_cache is not None:
             with s.lock:  # a verification still under way (its client gave up on it) finishes first
-                n = s.cache.length
+                n = min(s.cache.length, sum(h.shape[0] for h in s.hidden))  # a verification that failed half-way adds none
                 extras = {s.memory: torch.cat(s.entries)[:n]} if s.memory is not None else None
                 self.prompt_cache.store(s.tokens[:n], s.cache, torch.cat(s.hidden)[:n], extras)

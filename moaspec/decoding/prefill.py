@@ -130,7 +130,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 class Prefill:
     """How a generation reads its prompt: ``on_chunk(done, total)`` after each chunk (progress, or raising to
     abandon the generation there), starting after the longest prefix ``reuse`` holds; :meth:`keep` then
-    stores the prompt there for the next request. ``threads``, asked before each chunk: how many CPU
+    stores the prompt and its answer there for the next request. ``threads``, asked before each chunk: how many CPU
     threads to read it with (a server gives a prefill that runs alone every core,
     :class:`moaspec.cores.Cores`); the thread's own count is back when the prompt is read."""
 
@@ -170,8 +170,9 @@ class Prefill:
 
     def known(self, proposer: Resumable, reused: Sequence[int]) -> torch.Tensor | None:
         """What ``proposer`` kept of the ``reused`` tokens (the prompt's reused beginning) when it last read them."""
-        name = proposer.state_name() if self.reuse is not None and reused else None
-        return None if name is None else self.reuse.extra(name, reused)  # type: ignore[union-attr]
+        if self.reuse is None or not reused or (name := proposer.state_name()) is None:
+            return None
+        return self.reuse.extra(name, reused)
 
     def keep(self, tokens: Sequence[int], cache: KVCache, hidden: Sequence[torch.Tensor],
              proposer: Resumable | None = None) -> None:
@@ -181,6 +182,7 @@ class Prefill:
         end, the copy is not on the way to the first token; decoding never rewrites a verified position."""
         if self.reuse is None:
             return
-        name = proposer.state_name() if proposer is not None else None
-        rows = proposer.kept() if proposer is not None and name is not None else None
-        self.reuse.store(tokens, cache, torch.cat(list(hidden)), None if rows is None else {name: rows})  # type: ignore[dict-item]
+        extras = {}
+        if proposer is not None and (name := proposer.state_name()) is not None and (rows := proposer.kept()) is not None:
+            extras[name] = rows
+        self.reuse.store(tokens, cache, torch.cat(list(hidden)), extras)
