@@ -8,7 +8,8 @@ length (the first N tokens of this repository's Markdown files, sent as token id
 ``/v1/completions``, streaming, 16 new tokens, greedy), the servers take turns, ``--repeats``
 times: once with the request alone, and once with two such requests at the same time (where
 the default must share, as ``--threads 1`` always does). Prints the median time to the first
-text per length, setup and case, and whether the answers agree.
+text per length, setup and case (alone also to the end of the 16 tokens, which includes the
+drafter's first pass over the prompt), and whether the answers agree.
 
     .venv/bin/python benchmarks/serve_prefill.py --lengths 1000,2000,4000 --output bench-out/serve-prefill.json
 """
@@ -31,8 +32,8 @@ from moaspec.models.sources import resolve_model
 from served import serving
 
 
-def first_text(url: str, model: str, ids: list[int]) -> tuple[float, str]:
-    """Seconds to the first text of a streamed completion of ``ids``, and the whole text."""
+def first_text(url: str, model: str, ids: list[int]) -> tuple[float, str, float]:
+    """Seconds to the first text of a streamed completion of ``ids``, the whole text, and seconds to its end."""
     body = {"model": model, "prompt": ids, "max_tokens": 16, "temperature": 0, "stream": True}
     with httpx.Client(base_url=url, timeout=600) as client:
         t0 = time.perf_counter()
@@ -43,7 +44,7 @@ def first_text(url: str, model: str, ids: list[int]) -> tuple[float, str]:
                 if line.startswith("data: {") and (piece := json.loads(line[6:])["choices"][0].get("text")):
                     first = first or time.perf_counter() - t0
                     text += piece
-    return first or 0.0, text
+    return first or 0.0, text, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -71,19 +72,21 @@ def main() -> None:
             ids = document_ids(tok, n)
             for _ in range(args.repeats):
                 for name, url in urls.items():
-                    cases = runs.setdefault(str(n), {}).setdefault(name, {"alone": [], "two at once": []})
-                    t, text = first_text(url, models[name], ids)
+                    cases = runs.setdefault(str(n), {}).setdefault(name, {"alone": [], "two at once": [],
+                                                                          "alone, to the end": []})
+                    t, text, end = first_text(url, models[name], ids)
                     cases["alone"].append(t)
+                    cases["alone, to the end"].append(end)
                     both = list(pool.map(lambda _: first_text(url, models[name], ids), range(2)))
                     cases["two at once"] += [b[0] for b in both]
                     texts.setdefault(str(n), set()).update([text, *(b[1] for b in both)])
-    print(f"{'prompt':>6} | {'case':>11} | " + " | ".join(f"{name:>27}" for name in setups) + " | same answers")
+    print(f"{'prompt':>6} | {'case':>17} | " + " | ".join(f"{name:>27}" for name in setups) + " | same answers")
     summary = {}
     for n, by_setup in runs.items():
-        for case in ("alone", "two at once"):
+        for case in ("alone", "alone, to the end", "two at once"):
             med = {name: statistics.median(by_setup[name][case]) for name in setups}
             summary.setdefault(n, {})[case] = med
-            print(f"{n:>6} | {case:>11} | " + " | ".join(f"{med[name]:>25.2f} s" for name in setups)
+            print(f"{n:>6} | {case:>17} | " + " | ".join(f"{med[name]:>25.2f} s" for name in setups)
                   + f" | {'yes' if len(texts[n]) == 1 else 'NO'}")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)

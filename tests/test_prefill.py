@@ -174,3 +174,20 @@ def test_a_prefill_reads_each_chunk_with_the_threads_it_is_given_then_restores_i
         assert seen == [2] and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(own)
+
+
+def test_the_drafters_first_pass_over_the_prompt_runs_on_the_prefills_threads(tiny_llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(3)
+    drafter = MoADrafter(MoAConfig.for_target(tiny_llama.cfg)).eval()
+    drafter.attach(tiny_llama.model)
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(drafter, "memory_entries", lambda cache, start, end, hidden, _run=drafter.memory_entries:
+                        seen.append((end - start, torch.get_num_threads())) or _run(cache, start, end, hidden))
+    own = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Strategy(drafter, chain=2).run(tiny_llama, ids(30, 12), GenerationConfig(max_new_tokens=6, ignore_eos=True),
+                                       prefill=Prefill(threads=lambda: 2))
+        assert seen[0] == (30, 2) and all(t == 1 for _, t in seen[1:]) and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(own)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -167,6 +168,20 @@ class Prefill:
                 torch.set_num_threads(own)
         hidden = out.hidden[0] if entry is None else torch.cat([entry.hidden[:n], out.hidden[0]])
         return out.logits[0, -1], hidden, n
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Run the inside on the threads ``threads`` gives (asked once): more work over the whole prompt, the
+        drafter's first pass over it (LSA over a 3,100-token prompt: 1.4 s on one CPU thread)."""
+        if self.threads is None:
+            yield
+            return
+        own = torch.get_num_threads()
+        torch.set_num_threads(self.threads())
+        try:
+            yield
+        finally:
+            torch.set_num_threads(own)
 
     def known(self, proposer: Resumable, reused: Sequence[int]) -> torch.Tensor | None:
         """What ``proposer`` kept of the ``reused`` tokens (the prompt's reused beginning) when it last read them."""

@@ -96,10 +96,11 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
               prefill, [hidden], reused, resumable)
     if not sink.push(tokens[-1:]):
-        if resumable is not None:
-            resumable.begin(cache, hidden, prefill.known(resumable, prompt_ids[:reused]))
-        else:
-            proposer.begin(cache, hidden)
+        with prefill.reading():
+            if resumable is not None:
+                resumable.begin(cache, hidden, prefill.known(resumable, prompt_ids[:reused]))
+            else:
+                proposer.begin(cache, hidden)
     return run
 
 
