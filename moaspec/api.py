@@ -158,8 +158,9 @@ class SpeculativeModel:
         decoded, ``on_piece`` the same with whether it came from accepted drafts; ``on_prefill`` gets
         (prompt tokens read, prompt tokens) as a long prompt is read, chunk by chunk, and may raise to
         abandon the generation there. With a ``prompt_cache`` (``moaspec.PromptCache(max_bytes)``, yours to keep
-        between calls) a prompt that begins with one read before, as a conversation's next turn does, is read
-        only from where they part.
+        between calls) a prompt that begins with one read before, or with one and its answer, as a
+        conversation's next turn does, is read only from where they part, and the drafter begins from its
+        state of that beginning.
         """
         ids = encode_prompt(self.target, prompt, system, raw)
         config = GenerationConfig(max_new_tokens=max_new_tokens,
