@@ -147,32 +147,28 @@ class Prefill:
             cache.keys[:, :, :, :n] = entry.keys[:, :, :, :n]
             cache.values[:, :, :, :n] = entry.values[:, :, :, :n]
             cache.length = n
-        tell, threads, own = self.on_chunk, self.threads, torch.get_num_threads()
+        tell, threads = self.on_chunk, self.threads
 
         def after_chunk(done: int, total: int) -> None:
             if tell is not None:
                 tell(n + done, n + total)  # progress counts the reused part as read
             if threads is not None and done < total:
-                torch.set_num_threads(threads())
+                torch.set_num_threads(threads())  # asked again: other work may have started, or ended
 
         try:
-            if threads is not None:
-                torch.set_num_threads(threads())
-            out = model(torch.tensor([list(prompt_ids[n:])], device=model.device), cache, logits_at=slice(-1, None),
-                        on_chunk=after_chunk if tell is not None or threads is not None else None)
+            with self.reading():
+                out = model(torch.tensor([list(prompt_ids[n:])], device=model.device), cache, logits_at=slice(-1, None),
+                            on_chunk=after_chunk if tell is not None or threads is not None else None)
         except BaseException:
             cache.length = 0
             raise
-        finally:
-            if threads is not None:
-                torch.set_num_threads(own)
         hidden = out.hidden[0] if entry is None else torch.cat([entry.hidden[:n], out.hidden[0]])
         return out.logits[0, -1], hidden, n
 
     @contextmanager
     def reading(self) -> Iterator[None]:
-        """Run the inside on the threads ``threads`` gives (asked once): more work over the whole prompt, the
-        drafter's first pass over it (LSA over a 3,100-token prompt: 1.4 s on one CPU thread)."""
+        """Run the inside on the threads ``threads`` gives (asked once), the thread's own count back after: the
+        prompt's read, and the drafter's first pass over it (LSA over a 3,100-token prompt: 1.4 s on one CPU thread)."""
         if self.threads is None:
             yield
             return
