@@ -499,17 +499,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = encode_chat(loaded.tokenizer, messages) if messages is not None else encode_prompt(loaded, prompt, args.system,
                                                                                               args.raw)
 
-    def stream(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
     def coloured(text: str, drafted: bool) -> None:
-        stream(f"{DRAFT_COLOUR}{text}{RESET}" if drafted else text)
+        _show(text, DRAFT_COLOUR if drafted else "")
 
     strategy = _strategy(args, loaded)
     if args.show_drafts and not args.json and (strategy.drafter is not None or strategy.lookup):
         print(f"({DRAFT_COLOUR}accepted drafts{RESET}, target tokens plain)", file=sys.stderr)
-    result = strategy.run(loaded, ids, config, on_text=None if args.json else stream,
+    result = strategy.run(loaded, ids, config, on_text=None if args.json else _show,
                           on_piece=coloured if args.show_drafts and not args.json else None,
                           prefill=Prefill(None if args.json else _prefill_bar(len(ids))))
     if args.json:
@@ -521,6 +517,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[moaspec: stopped after {result.new_tokens} tokens: the model's context window "
                   f"({loaded.cfg.max_position_embeddings} tokens) is full]", file=sys.stderr)
     return 0
+
+
+def _show(text: str, colour: str = "") -> None:
+    """Stream ``text`` to the terminal now, in ``colour`` (an ANSI code; "" for plain)."""
+    sys.stdout.write(f"{colour}{text}{RESET}" if colour else text)
+    sys.stdout.flush()
 
 
 CHAT_CACHE_BYTES = 512 << 20  # the conversation's K/V: 46 KB a token for SmolLM2, so about 11,000 tokens
@@ -565,8 +567,7 @@ def _chat(tokenizer: Any, answer: Callable[[list[int], Writer], None], start: li
 
         def write(text: str, colour: str, written: list[str] = written) -> None:
             written.append(text)
-            sys.stdout.write(f"{colour}{text}{RESET}" if colour else text)
-            sys.stdout.flush()
+            _show(text, colour)
 
         try:
             answer(encode_chat(tokenizer, history), write)
@@ -899,11 +900,7 @@ def cmd_client(args: argparse.Namespace) -> int:
                            "(--drafter or --remote-drafter), whose server half (LSA) makes the memory this client reads")
     colours = {"draft": DRAFT_COLOUR, "unverified": UNVERIFIED_COLOUR, "target": ""}
 
-    def shown(text: str, colour: str) -> None:
-        sys.stdout.write(f"{colour}{text}{RESET}" if colour else text)
-        sys.stdout.flush()
-
-    write: Writer = shown  # the chat swaps in its own each turn
+    write: Writer = _show  # the chat swaps in its own each turn
 
     def piece(text: str, kind: str) -> None:
         if cut_after is not None and proxy is not None and len(gen.sink.tokens) >= cut_after:
