@@ -22,8 +22,9 @@ import torch
 
 import specbench_script  # beside this script
 from moaspec.chat import chat_messages, encode_chat
-from moaspec.clientserver.bench import matching_prefix, perplexity
+from moaspec.clientserver.bench import perplexity
 from moaspec.decoding import GenerationConfig
+from moaspec.decoding.prefill import common_prefix
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.vanilla import generate
 from moaspec.drafters import load_drafter
@@ -72,7 +73,7 @@ def main() -> None:
         row: dict[str, object] = {"category": q.category, "question_id": q.question_id}
         for name, d in variants.items():
             alone = continue_alone(lm, d, context, args.continue_tokens)
-            row[name] = {"perplexity": round(perplexity(lm, context, alone), 4), "exact_match": matching_prefix(alone, reference)}
+            row[name] = {"perplexity": round(perplexity(lm, context, alone), 4), "exact_match": common_prefix(alone, reference)}
         per.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{'variant':<10}{'geo-mean perplexity':>21}{'exact match':>13}")

@@ -45,6 +45,7 @@ from moaspec.chat import chat_messages, encode_chat
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import NetworkProxy, Profile
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
+from moaspec.decoding.prefill import common_prefix
 from moaspec.decoding.tree import TreeShape
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters.base import Drafter
@@ -152,11 +153,6 @@ def perplexity(target: LoadedModel, context: Sequence[int], continuation: Sequen
     return math.exp(float(nll))
 
 
-def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many first tokens of ``a`` and ``b`` agree (a continuation against the target's own)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def repeated_ngrams(tokens: Sequence[int], n: int = 4) -> float:
     """The share of ``tokens``' n-grams that already occurred earlier in them: 0 for text that never repeats
     itself, near 1 for a loop. A low perplexity alone does not tell a faithful continuation from a loop of
@@ -193,7 +189,7 @@ def _disconnect(target: LoadedModel, drafter: Drafter, upstream: tuple[str, int]
                          GenerationConfig(max_new_tokens=cont, ignore_eos=True)).token_ids
     return {"verified_before_cut": len(verified), "perplexity": perplexity(target, context, alone),
             "target_greedy_perplexity": perplexity(target, context, reference),
-            "exact_match_tokens": matching_prefix(alone, reference),
+            "exact_match_tokens": common_prefix(alone, reference),
             "repeated_4grams": repeated_ngrams(alone), "target_greedy_repeated_4grams": repeated_ngrams(reference)}
 
 

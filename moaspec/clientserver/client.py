@@ -46,6 +46,7 @@ from moaspec.clientserver.sessions import MAX_SUPPORT
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationConfig, TokenSink
 from moaspec.decoding.lookup import MIN_NGRAM_BEFORE_DRAFTER, NgramIndex
+from moaspec.decoding.prefill import common_prefix
 from moaspec.decoding.proposer import check_confidence
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN
@@ -470,8 +471,7 @@ class SplitGeneration:
         if self._previous is None or not isinstance(self.proposer, SplitMoAProposer):
             return 0
         tokens, old = self._previous
-        n = min(old.held(), len(tokens), len(prompt_ids) - 1)
-        n = next((i for i in range(n) if tokens[i] != prompt_ids[i]), n)
+        n = common_prefix(tokens, prompt_ids, min(old.held(), len(prompt_ids) - 1))
         if n > 0:
             self.proposer.carry(old, n)
         return n

@@ -72,7 +72,7 @@ class PromptCache:
         limit = len(prompt) - 1  # the last prompt token is always read: its logits pick the first new token
         with self._lock:
             for tokens, entry in self._entries.items():
-                n = _common_prefix(tokens, prompt, limit)
+                n = common_prefix(tokens, prompt, limit)
                 if n > best:
                     best, found = n, (tokens, entry)
             if found is None or best < self.min_tokens:
@@ -90,7 +90,7 @@ class PromptCache:
         with self._lock:
             for tokens, entry in self._entries.items():
                 rows = entry.extras.get(name)
-                n = 0 if rows is None else _common_prefix(tokens, prompt, rows.shape[0])
+                n = 0 if rows is None else common_prefix(tokens, prompt, rows.shape[0])
                 if n > best:
                     best, found = n, rows
         return None if found is None else found[:best]
@@ -119,12 +119,10 @@ class PromptCache:
                 total -= old.nbytes
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many first tokens ``a`` and ``b`` share (at most ``limit``)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass(frozen=True)
