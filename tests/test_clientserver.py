@@ -617,10 +617,19 @@ def test_a_conversation_over_the_network_reads_and_sends_each_turn_once(tiny_lla
     assert second.state_bytes < afresh.state_bytes and second.bytes_received < afresh.bytes_received
 
 
-def test_a_client_that_holds_a_prompts_state_is_sent_only_the_rest(tiny_llama, tli_drafter) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_holds_a_prompts_state_is_sent_only_the_rest(tiny_llama, tli_drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     store = SessionStore(tiny_llama, tli_drafter, Limits(max_draft=8))
     prompt = token_ids(20, 7)
+    rows: list[int] = []
+    lsa = tli_drafter.memory_entries
+
+    def counted(cache, start, end, hidden):  # type: ignore[no-untyped-def]
+        rows.append(end - start)
+        return lsa(cache, start, end, hidden)
+
+    monkeypatch.setattr(tli_drafter, "memory_entries", counted)
     whole, rest = store.open(prompt, "moa", "fp16", 4, layers=1), store.open(prompt, "moa", "fp16", 4, layers=1, have_state=15)
+    assert rows == [20, 5]  # without a prompt cache to fill, LSA skips what the client holds
     assert whole["state_start"] == 0 and rest["state_start"] == 15
     for key, per_token in (("state", 1), ("layers", 1)):
         a, b = codec.decode(whole[key]), codec.decode(rest[key])

@@ -169,16 +169,20 @@ class SessionStore:
         first ``held`` of them, which the client already holds (``state_start`` says where they begin).
 
         ``known``: MoA memory entries of the first of them, from the prompt cache (LSA over a
-        3,100-token prompt takes 1.3 s on one CPU thread).
+        3,100-token prompt takes 1.3 s on one CPU thread). Rows the client holds are computed
+        only when the prompt cache is to keep them.
         """
         fn, state, send = s.state, None, start + held
         if fn is not None:
-            done = start if known is None else start + len(known)
+            first = start if s.memory is not None else send  # the cache keeps every row; the client needs its rest
+            done = first if known is None else max(first, start + len(known))
             state = fn(s.cache, done, end, hidden[done - start:])
-            state = state if known is None else torch.cat([known.to(state.dtype), state])
+            if known is not None and done > first:
+                state = torch.cat([known[first - start:].to(state.dtype), state])
             if s.memory is not None:
                 s.entries.append(state)  # every row, for the prompt cache, whatever the client is sent
-        out: dict[str, Any] = {"state": None if state is None else codec.encode(state[held:], s.fmt), "state_start": send}
+            state = state[send - first:]
+        out: dict[str, Any] = {"state": None if state is None else codec.encode(state, s.fmt), "state_start": send}
         if s.layers:
             out["layers"] = codec.encode(last_layers_kv(s.cache, send, end, s.layers), s.fmt)
         return out

@@ -51,11 +51,16 @@ class Run:
     t0: float
     prefill_s: float
     prefill: Prefill
-    hidden: list[torch.Tensor]  # the final states of the cached positions, in pieces: kept with their K/V at the end
+    hidden: list[torch.Tensor]  # final states of the cached positions, in pieces, with a prompt cache only (see verified)
     reused_prompt_tokens: int = 0
     resumable: Resumable | None = None  # the proposer, when its state is kept with the prompt cache
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
+
+    def verified(self, hidden: torch.Tensor) -> None:
+        """Keep the final states of newly verified positions, for a prompt cache to store at the end (none: not kept)."""
+        if self.prefill.reuse is not None:
+            self.hidden.append(hidden)
 
     @contextmanager
     def drafting(self) -> Iterator[None]:
@@ -136,7 +141,7 @@ def generate_chain(
             verdict = verify_sampling(proposal.tokens, proposal.probs, probabilities(out.logits[0], params), gen)
         new = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
         cache.truncate(n_cached + 1 + verdict.accepted)
-        run.hidden.append(out.hidden[0, : len(new)])
+        run.verified(out.hidden[0, : len(new)])
         tokens += new
         run.accepted.append(len(new))
         if not run.sink.push(new, drafted=verdict.accepted):

@@ -134,7 +134,7 @@ def generate_tree(
         path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
         kept = torch.tensor([0] + path)
         cache.compact(n, kept)
-        run.hidden.append(out.hidden[0, kept.to(out.hidden.device)])
+        run.verified(out.hidden[0, kept.to(out.hidden.device)])
         new = [int(tree.tokens[i]) for i in path] + [nxt]
         tokens += new
         run.accepted.append(len(new))

@@ -51,7 +51,8 @@ def generate(
     while not sink.push([select_token(logits, config.sampling, gen)]):
         out = model(torch.tensor([[sink.tokens[-1]]], device=model.device), cache)
         logits = out.logits[0, -1]
-        states.append(out.hidden[0])
+        if prefill.reuse is not None:  # kept only for a prompt cache to store
+            states.append(out.hidden[0])
         calls += 1
     text = sink.close()
     prefill.keep([*prompt_ids, *sink.tokens][: cache.length], cache, states)
