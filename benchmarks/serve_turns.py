@@ -13,7 +13,8 @@ server verify, one client (``SplitGeneration``) per server holding the conversat
 session per turn (reuse: the session's ``cached_tokens``; the time to the first text includes
 the prompt's state coming back, of which the client asks only what it does not hold from the
 last turn; ``--fresh-client``: a new client every turn), optionally through an emulated
-``--network`` profile; it also prints the bytes each turn received.
+``--network`` profile; it also prints the bytes each turn received. ``--drafter``: another client drafter
+(an EAGLE or independent one).
 
     .venv/bin/python benchmarks/serve_turns.py --document-tokens 3000 --output bench-out/serve-turns.json
     .venv/bin/python benchmarks/serve_turns.py --protocol cs --network 4g --document-tokens 3000 --output bench-out/cs-turns.json
@@ -65,13 +66,13 @@ def ask(client: httpx.Client, model: str, messages: list[dict[str, str]], max_to
 
 
 class SplitAsker:
-    """Asks as a client–server chat does: the shipped MoA drafter here, one client per server for the
-    conversation (so a next turn begins from the drafter's state of the last), the server verifying."""
+    """Asks as a client–server chat does: the shipped MoA drafter here (or the one at ``drafter``), one client per
+    server for the conversation (so a next turn begins from the drafter's state of the last), the server verifying."""
 
-    def __init__(self, fresh: bool = False) -> None:
+    def __init__(self, fresh: bool = False, drafter: str | None = None) -> None:
         self.fresh = fresh  # a new client every turn: it holds nothing of the last one
         self.target: LoadedModel = load_model(None)
-        path = shipped_drafter(self.target)
+        path = drafter or shipped_drafter(self.target)
         assert path is not None, "no MoA drafter ships for the default target"
         self.drafter = load_drafter(path, self.target)
         self.clients: dict[str, SplitGeneration] = {}
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--network", default=None, help="cs: an emulated link between client and servers (lan, 4g, 5g)")
     ap.add_argument("--fresh-client", action="store_true", help="cs: a new client every turn (the server sends every "
                     "token's state again)")
+    ap.add_argument("--drafter", default=None, help="cs: the client's drafter (default: the shipped MoA drafter), e.g. "
+                    "moaspec/assets/drafters/smollm2-135m-instruct-eagle")
     ap.add_argument("--output", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     tok = load_tokenizer(resolve_model(None))
@@ -111,7 +114,7 @@ def main() -> None:
     setups = {"no cache": ["--prompt-cache-mb", "0"], "prompt cache": ["--prompt-cache-mb", str(args.prompt_cache_mb)]}
     if args.cache_first:
         setups = dict(reversed(setups.items()))
-    split = SplitAsker(args.fresh_client) if args.protocol == "cs" else None
+    split = SplitAsker(args.fresh_client, args.drafter) if args.protocol == "cs" else None
     turns: list[dict[str, dict]] = []
     with ExitStack() as stack:
         asks = {}

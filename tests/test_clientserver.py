@@ -588,12 +588,17 @@ def test_a_session_prefill_alone_takes_every_core_and_verifies_on_its_share(tiny
     assert seen == [(8, 2), (8, 2), (4, 2), (3, 1), (8, 1), (8, 1), (4, 1)]
 
 
-@pytest.mark.parametrize("tli", [False, True])
-def test_a_conversation_over_the_network_reads_and_sends_each_turn_once(tiny_llama, drafter, tli_drafter, tli) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", ["drafter", "tli_drafter", "eagle", "independent"])
+def test_a_conversation_over_the_network_reads_and_sends_each_turn_once(tiny_llama, drafter, tli_drafter, kind, request,
+                                                                        monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """One client holding a conversation: each next turn the server reads only what is new (its prompt cache), and
-    the client begins from its drafter's state of the last turn, so the server sends only the new tokens' state;
-    the answer is the target's own, drafted exactly as a fresh client drafts it."""
-    d = tli_drafter if tli else drafter
+    the client begins from its drafter's state of the last turn, so the server sends only the new tokens' state
+    (and an EAGLE or independent drafter reads only the new tokens); the answer is the target's own, drafted
+    exactly as a fresh client drafts it."""
+    d = request.getfixturevalue(kind)
+    fed: list[int] = []  # tokens an EAGLE or independent drafter reads, per call
+    if kind in ("eagle", "independent"):
+        monkeypatch.setattr(d, "step", lambda own, tokens, *a, _step=d.step: fed.append(tokens.shape[1]) or _step(own, tokens, *a))
     reuse = PromptCache(1 << 30, min_tokens=8)
     cfg = GenerationConfig(max_new_tokens=16, ignore_eos=True)
     context = tiny_llama.cfg.max_position_embeddings
@@ -606,7 +611,9 @@ def test_a_conversation_over_the_network_reads_and_sends_each_turn_once(tiny_lla
         gen = client()
         first = gen.run(turn1, cfg, context)
         turn2 = turn1 + first.token_ids + token_ids(6, 4)
+        fed.clear()
         second = gen.run(turn2, cfg, context)
+        read_carried, fed[:] = sum(fed), []
         afresh = client().run(turn2, cfg, context)
     assert first.cached_tokens == first.carried_tokens == 0
     assert len(turn1) + len(first.token_ids) - 1 <= second.cached_tokens < len(turn2)
@@ -614,7 +621,13 @@ def test_a_conversation_over_the_network_reads_and_sends_each_turn_once(tiny_lla
     want = generate(tiny_llama.model, tiny_llama.tokenizer, turn2, cfg).token_ids
     assert second.token_ids == afresh.token_ids == want
     assert second.accepted_lengths == afresh.accepted_lengths
-    assert second.state_bytes < afresh.state_bytes and second.bytes_received < afresh.bytes_received
+    if kind == "independent":  # no state travels: the client reads fewer tokens instead
+        assert second.state_bytes == afresh.state_bytes == 0
+        assert sum(fed) - read_carried == second.carried_tokens
+    else:
+        assert second.state_bytes < afresh.state_bytes and second.bytes_received < afresh.bytes_received
+    if kind == "eagle":
+        assert sum(fed) - read_carried == second.carried_tokens
 
 
 def test_a_client_that_holds_a_prompts_state_is_sent_only_the_rest(tiny_llama, tli_drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -271,9 +271,7 @@ class SplitMoAProposer(MoAProposer):
         if self.tli is not None and old.tli is not None:
             pairs.append((self.tli, old.tli))
         for new, prev in pairs:
-            new.keys[:, :, :, :n] = prev.keys[:, :, :, :n]
-            new.values[:, :, :, :n] = prev.values[:, :, :, :n]
-            new.length = n
+            new.load_prefix(prev.keys, prev.values, n)
 
     def receive(self, start: int, entries: torch.Tensor) -> None:
         """Add memory entries for positions ``start..``; those already held are skipped."""
@@ -307,12 +305,26 @@ class SplitEagleProposer(EagleProposer):
     """
 
     state_kind = "eagle"
+    true = 0  # leading positions whose features came from the server
 
     def _begin(self, hidden: torch.Tensor | None) -> None:
         assert self.cache is not None
         self.own = self.drafter.new_cache(self.cache.capacity)
         self.features = torch.zeros(self.cache.capacity, self.drafter.cfg.hidden_size, device=self.device,
                                     dtype=self.drafter.weight_dtype)
+        self.true = 0
+
+    def held(self) -> int:
+        """Leading positions whose feature and drafter entry here both came from the target's features."""
+        assert self.own is not None
+        return min(self.own.length, self.true)
+
+    def carry(self, old: SplitEagleProposer, n: int) -> None:
+        """Begin with ``old``'s features and entries of the first ``n`` positions (at most its :meth:`held`)."""
+        assert self.own is not None and self.features is not None and old.own is not None and old.features is not None
+        self.own.load_prefix(old.own.keys, old.own.values, n)
+        self.features[:n] = old.features[:n]
+        self.true = n
 
     def _feed(self, tokens, positions, mask, parent_features, outputs):  # type: ignore[no-untyped-def]
         logits, feats = super()._feed(tokens, positions, mask, parent_features, outputs)
@@ -329,12 +341,24 @@ class SplitEagleProposer(EagleProposer):
         assert self.own is not None and self.features is not None
         self.features[start : start + entries.shape[0]] = entries.to(self.features.dtype)
         self.own.truncate(min(self.own.length, start + 1))
+        if start <= self.true:
+            self.true = max(self.true, start + entries.shape[0])
 
 
 class SplitIndependentProposer(IndependentProposer):
     """Classic speculative decoding across the network: the drafter needs nothing from the server but its verdicts."""
 
     state_kind = "none"  # SplitGeneration asks for no state and has nothing to hand it
+
+    def held(self) -> int:
+        """Leading positions with an entry in the drafter's cache (the generation carries only verified ones)."""
+        assert self.own is not None
+        return self.own.length
+
+    def carry(self, old: SplitIndependentProposer, n: int) -> None:
+        """Begin with ``old``'s cache of the first ``n`` positions: a next turn reads only its new tokens."""
+        assert self.own is not None and old.own is not None
+        self.own.load_prefix(old.own.keys, old.own.values, n)
 
 
 SplitProposer = SplitMoAProposer | SplitEagleProposer | SplitIndependentProposer
@@ -424,9 +448,9 @@ class SplitGeneration:
         self.pipeline_hits = 0  # verifications whose next drafts were ready when the answer came
         self.cached_tokens = 0  # prompt tokens the server reused from its prompt cache, over every open
         self.carried_tokens = 0  # prompt tokens whose state this client held, so the server did not send it
-        # a MoA client's verified text and drafter state after its last generation: the next turn of a
-        # conversation (which begins with it) starts from that state, and the server sends only the rest
-        self._previous: tuple[list[int], SplitMoAProposer] | None = None
+        # the verified text and drafter state after the last generation: the next turn of a conversation
+        # (which begins with it) starts from that state, and the server sends only the rest
+        self._previous: tuple[list[int], SplitProposer] | None = None
         self._server_takes_have_state: bool | None = None  # asked once, when first needed
 
     # --- helpers ------------------------------------------------------------------------
@@ -452,12 +476,13 @@ class SplitGeneration:
     def _open(self, prompt: Sequence[int], budget: int, have: int = 0) -> int:
         """Open a session on ``prompt`` whose first ``have`` tokens' state the proposer already holds."""
         layers = self.proposer.layers if isinstance(self.proposer, SplitMoAProposer) else 0
-        have = min(have, len(prompt) - 1) if have > 0 and self._takes_have_state() else 0
+        have = min(have, len(prompt) - 1)
+        sent = have if have > 0 and self.proposer.state_kind != "none" and self._takes_have_state() else 0
         answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers, self.fingerprint,
-                                  self.sampling, have_state=have)
+                                  self.sampling, have_state=sent)
         self.session = answer["session"]
         self.cached_tokens += int(answer.get("cached_tokens") or 0)  # servers before the prompt cache do not say
-        self.carried_tokens += have
+        self.carried_tokens += have if self.proposer.state_kind == "none" else sent  # no state travels for "none"
         self._take_state(answer, int(answer.get("state_start") or 0))  # from 0, what it holds is skipped
         return int(answer["token"])
 
@@ -468,12 +493,12 @@ class SplitGeneration:
 
     def _carry(self, prompt_ids: Sequence[int]) -> int:
         """Begin from the last generation's drafter state as far as its verified text begins ``prompt_ids``."""
-        if self._previous is None or not isinstance(self.proposer, SplitMoAProposer):
+        if self._previous is None or type(self._previous[1]) is not type(self.proposer):
             return 0
         tokens, old = self._previous
         n = common_prefix(tokens, prompt_ids, min(old.held(), len(prompt_ids) - 1))
         if n > 0:
-            self.proposer.carry(old, n)
+            self.proposer.carry(old, n)  # type: ignore[arg-type]  # the same class, checked above
         return n
 
     # --- the loop -------------------------------------------------------------------------
@@ -567,7 +592,7 @@ class SplitGeneration:
             unverified = tail[: min(cut, budget - len(sink.tokens))]
             text += self.tokenizer.decode(unverified, skip_special_tokens=True)
         self.remote.close(self.session)
-        self._previous = (self.tokens[: self.verified], self.proposer) if isinstance(self.proposer, SplitMoAProposer) else None
+        self._previous = (self.tokens[: self.verified], self.proposer)
         finish = sink.finish or ("eos" if any(t in self.eos for t in self.tokens[self.verified:]) else "length")
         return SplitResult(
             token_ids=sink.tokens + unverified, text=text, finish_reason=finish, prompt_tokens=len(prompt_ids),
@@ -683,8 +708,8 @@ class SplitGeneration:
                     if exc.status not in (404, 409):
                         raise
                     # the session expired, or a lost answer advanced it: open a new one on the verified text
-                    held = self.proposer.held() if isinstance(self.proposer, SplitMoAProposer) else 0
-                    first = self._open(self.tokens[: self.verified], max(1, self.sink.budget - len(self.sink.tokens)), held)
+                    first = self._open(self.tokens[: self.verified], max(1, self.sink.budget - len(self.sink.tokens)),
+                                       self.proposer.held())
                     agrees = chunk[0] == first
                     self.tokens[self.verified:] = [first] + (self.tokens[self.verified + 1:] if agrees else [])
                     self.tail_q = self.tail_q[1:] if agrees else []

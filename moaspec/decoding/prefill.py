@@ -142,9 +142,7 @@ class Prefill:
         final state ``[T, d]``, and how many leading positions came from ``reuse``."""
         n, entry = self.reuse.longest(prompt_ids) if self.reuse is not None else (0, None)
         if entry is not None:
-            cache.keys[:, :, :, :n] = entry.keys[:, :, :, :n]
-            cache.values[:, :, :, :n] = entry.values[:, :, :, :n]
-            cache.length = n
+            cache.load_prefix(entry.keys, entry.values, n)
         tell, threads = self.on_chunk, self.threads
 
         def after_chunk(done: int, total: int) -> None:

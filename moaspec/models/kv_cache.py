@@ -85,6 +85,12 @@ class KVCache:
         self.keys = self.keys.index_select(1, rows)
         self.values = self.values.index_select(1, rows)
 
+    def load_prefix(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        """Begin with the first ``n`` positions of ``keys``/``values`` (another cache's, or a stored copy), nothing after."""
+        self.keys[:, :, :, :n] = keys[:, :, :, :n]
+        self.values[:, :, :, :n] = values[:, :, :, :n]
+        self.length = n
+
     def row_view(self, row: int, offset: int) -> KVCache:
         """Row ``row`` from position ``offset`` on, as an empty batch-1 cache sharing this one's memory.
 
