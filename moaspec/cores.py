@@ -16,8 +16,8 @@ when it begins (:meth:`Cores.busy`) instead of trusting what its thread had.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -46,3 +46,13 @@ class Cores:
         """Threads for a prefill's next chunk: every core if nothing else is busy, else the share."""
         with self._lock:
             return self.total if self._busy <= 1 else self.share
+
+
+def working(cores: Cores | None) -> AbstractContextManager[None]:
+    """:meth:`Cores.busy` for a server that shares its cores; nothing otherwise (the process's threads as they are)."""
+    return cores.busy() if cores is not None else nullcontext()
+
+
+def prefill_threads(cores: Cores | None) -> Callable[[], int] | None:
+    """What a :class:`~moaspec.decoding.prefill.Prefill` asks for its threads (None: it keeps its thread's)."""
+    return cores.for_prefill if cores is not None else None

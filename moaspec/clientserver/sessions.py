@@ -36,7 +36,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +43,7 @@ import torch
 
 from moaspec.chat import outside_vocabulary
 from moaspec.clientserver import codec
-from moaspec.cores import Cores
+from moaspec.cores import Cores, prefill_threads, working
 from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
 from moaspec.decoding.tree import DraftTree
@@ -154,10 +153,6 @@ class SessionStore:
         if expired:
             release_free_memory()
 
-    def _working(self) -> AbstractContextManager[None]:
-        """Count a prefill or verification as busy on the server's cores (when it shares them)."""
-        return self.cores.busy() if self.cores is not None else nullcontext()
-
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         bad = outside_vocabulary(ids, self.target.cfg.vocab_size)
         if bad is not None:
@@ -235,9 +230,9 @@ class SessionStore:
         if self.prompt_cache is not None and moa is not None:
             s.memory = f"moa-memory:{moa[0]}"
         try:
-            with s.lock, self._working():
-                threads = self.cores.for_prefill if self.cores is not None else None
-                logits, hidden, reused = Prefill(on_prefill, self.prompt_cache, threads)(self.target.model, prompt, cache)
+            with s.lock, working(self.cores):
+                logits, hidden, reused = Prefill(on_prefill, self.prompt_cache, prefill_threads(self.cores))(
+                    self.target.model, prompt, cache)
                 first = select_token(logits, sampling, s.generator)
                 s.tokens.append(first)
                 if self.prompt_cache is not None and s.memory is not None and reused:
@@ -321,7 +316,7 @@ class SessionStore:
         q = None if s.sampling.greedy or parents is not None else self._draft_probs(draft, dists, self.target.model.device)
         key = (verified, tuple(draft), None if parents is None else tuple(parents),
                None if dists is None else repr(dists))
-        with s.lock, self._working():
+        with s.lock, working(self.cores):
             s.expires = time.monotonic() + self.limits.ttl_s
             if s.last is not None and s.last[0] == key:
                 return s.last[1]  # a retry of the last request: same answer, no second advance

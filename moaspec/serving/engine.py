@@ -19,10 +19,9 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 
-from moaspec.cores import Cores
+from moaspec.cores import Cores, prefill_threads, working
 from moaspec.decoding.generation import GenerationConfig, GenerationResult
 from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.strategy import Strategy
@@ -110,11 +109,10 @@ class Engine:
             deliver(Piece(text, drafted))
 
         def work() -> None:
-            cores = self.cores
             try:
                 if not cancel.is_set():
-                    with cores.busy() if cores is not None else nullcontext():
-                        prefill = Prefill(check, self.prompt_cache, cores.for_prefill if cores is not None else None)
+                    with working(self.cores):
+                        prefill = Prefill(check, self.prompt_cache, prefill_threads(self.cores))
                         deliver(self.strategy.run(self.target, prompt_ids, config, on_piece=on_piece, prefill=prefill))
             except _Cancelled:
                 pass
