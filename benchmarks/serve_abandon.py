@@ -26,7 +26,7 @@ import httpx
 from long_prompt import document_ids  # benchmarks/long_prompt.py, beside this script
 from moaspec.models.loading import load_tokenizer
 from moaspec.models.sources import resolve_model
-from served import serving
+from served import serving, sse_chunks
 
 SHORT = "Name three primary colours."
 
@@ -41,11 +41,9 @@ def answer_begins(client: httpx.Client, model: str, stream: bool) -> float:
         if not stream:
             r.read()
             return time.perf_counter() - t0
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                choices = json.loads(line[6:])["choices"]
-                if choices and choices[0]["delta"].get("content"):
-                    return time.perf_counter() - t0
+        for chunk in sse_chunks(r):
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                return time.perf_counter() - t0
     raise RuntimeError("the short request streamed no text")
 
 

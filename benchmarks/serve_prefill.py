@@ -29,7 +29,7 @@ import httpx
 from long_prompt import document_ids  # benchmarks/long_prompt.py, beside this script
 from moaspec.models.loading import load_tokenizer
 from moaspec.models.sources import resolve_model
-from served import serving
+from served import serving, sse_chunks
 
 
 def first_text(url: str, model: str, ids: list[int]) -> tuple[float, str, float]:
@@ -40,8 +40,8 @@ def first_text(url: str, model: str, ids: list[int]) -> tuple[float, str, float]
         first, text = None, ""
         with client.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if line.startswith("data: {") and (piece := json.loads(line[6:])["choices"][0].get("text")):
+            for chunk in sse_chunks(r):
+                if piece := chunk["choices"][0].get("text"):
                     first = first or time.perf_counter() - t0
                     text += piece
     return first or 0.0, text, time.perf_counter() - t0

@@ -40,7 +40,7 @@ from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.models import load_model
 from moaspec.models.loading import LoadedModel, load_tokenizer
 from moaspec.models.sources import resolve_model
-from served import serving
+from served import serving, sse_chunks
 
 QUESTIONS = ["Which command runs the tests?", "What is the drafter's acceptance length?", "Say that again in one line."]
 
@@ -53,10 +53,7 @@ def ask(client: httpx.Client, model: str, messages: list[dict[str, str]], max_to
     text, first, usage = "", None, {}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(r):
             usage = chunk.get("usage") or usage
             if chunk["choices"] and (piece := chunk["choices"][0]["delta"].get("content")):
                 first = first or time.perf_counter() - t0

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
+
+import httpx
 
 
 @contextmanager
@@ -22,3 +26,10 @@ def serving(port: int, serve_args: Sequence[str] = ()) -> Iterator[subprocess.Po
     finally:
         server.terminate()
         server.wait(30)
+
+
+def sse_chunks(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of a streamed OpenAI API response (its ``data: {...}`` lines), as they arrive."""
+    for line in response.iter_lines():
+        if line.startswith("data: {"):
+            yield json.loads(line[6:])
