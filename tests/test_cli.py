@@ -49,12 +49,13 @@ def test_dtype_option_picks_the_targets_precision(tiny_dirs) -> None:  # type: i
     a value outside the choices is refused by the parser, without a traceback."""
     import torch
 
-    from moaspec.cli import _load, build_parser
+    from moaspec.cli import build_parser
+    from moaspec.cli.options import load_target
 
     for name, dtype in (("auto", torch.float32), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         args = build_parser().parse_args(["data", "--output", "x", "--model", str(tiny_dirs["llama"]),
                                           "--device", "cpu", "--dtype", name])
-        assert _load(args).model.embed.weight.dtype == dtype
+        assert load_target(args).model.embed.weight.dtype == dtype
     proc = run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), "--dtype", "float64")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -64,14 +65,15 @@ def test_drafter_dtype_option_reaches_every_drafter_load(tiny_dirs, monkeypatch)
     drafts in the same precision; a bad value of the variable is a clear error, a bad option a parser error."""
     import torch
 
-    from moaspec.cli import _load, build_parser
+    from moaspec.cli import build_parser
+    from moaspec.cli.options import load_target
     from moaspec.drafters.checkpoint import DTYPE_VARIABLE, drafting_dtype
     from moaspec.errors import MoaspecError
 
-    monkeypatch.setenv(DTYPE_VARIABLE, "auto")  # restored after the test, whatever _load sets
+    monkeypatch.setenv(DTYPE_VARIABLE, "auto")  # restored after the test, whatever load_target sets
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         args = build_parser().parse_args(["generate", "hi", "--model", str(tiny_dirs["llama"]), "--drafter-dtype", name])
-        loaded = _load(args)
+        loaded = load_target(args)
         assert os.environ[DTYPE_VARIABLE] == name and drafting_dtype(loaded) == dtype
         assert loaded.model.dtype == torch.float32  # the target keeps its own
     monkeypatch.setenv(DTYPE_VARIABLE, "float64")
@@ -427,7 +429,7 @@ def test_a_full_or_read_only_disk_is_one_line_not_a_traceback(monkeypatch, capsy
 def test_a_long_prompt_is_read_under_a_progress_bar_on_a_terminal_only(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """The bar follows the prefill chunk by chunk and is gone when the answer starts; off a terminal (pipes,
     logs, --json) and for short prompts there is none."""
-    from moaspec import cli
+    from moaspec.cli import generate
 
     class Terminal:
         def __init__(self) -> None:
@@ -442,11 +444,11 @@ def test_a_long_prompt_is_read_under_a_progress_bar_on_a_terminal_only(monkeypat
         def flush(self) -> None:
             pass
 
-    assert cli._prefill_bar(10_000) is None  # stderr is pytest's capture here, not a terminal
+    assert generate._prefill_bar(10_000) is None  # stderr is pytest's capture here, not a terminal
     term = Terminal()
     monkeypatch.setattr(sys, "stderr", term)
-    assert cli._prefill_bar(cli.PREFILL_BAR_TOKENS - 1) is None
-    update = cli._prefill_bar(3000)
+    assert generate._prefill_bar(generate.PREFILL_BAR_TOKENS - 1) is None
+    update = generate._prefill_bar(3000)
     assert update is not None
     update(2048, 3000)
     assert "reading the prompt" in term.text and "2048/3000" in term.text

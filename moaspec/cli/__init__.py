@@ -1,0 +1,66 @@
+"""The ``moaspec`` command.
+
+Every user mistake ends as one line on stderr and exit code 2; an interrupted run
+exits 130. Tracebacks are reserved for bugs.
+
+Each command's module holds its options (``add_parser``) beside the code that runs it (``run``); ``options``
+holds what several commands share, ``chat`` the terminal side of generate and client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import sys
+from collections.abc import Sequence
+
+from moaspec.cli import bench, bench_cs, client, data, export_client, export_hf, generate, serve, train, tune
+from moaspec.errors import MoaspecError
+
+EXIT_USAGE = 2
+# what the machine, not moaspec, refused, and what to do; every file is written atomically, so what was
+# being written is simply absent
+DISK_ERRORS = {
+    errno.ENOSPC: "free some space and run the command again (data, train, bench, bench-cs and tune resume where they stopped)",
+    errno.EDQUOT: "the disk quota is used up; free some space and run the command again",
+    errno.EACCES: "check its permissions, or choose another place",
+    errno.EROFS: "the file system is read-only; choose another place",
+}
+# each command's module, in the order `moaspec --help` lists them: add_parser(sub) defines its options, run(args) runs it
+_MODULES = {"generate": generate, "tune": tune, "bench": bench, "data": data, "train": train, "serve": serve,
+            "client": client, "export-client": export_client, "bench-cs": bench_cs, "export-hf": export_hf}
+COMMANDS = {name: module.run for name, module in _MODULES.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moaspec", description="Mixture of Attentions speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in _MODULES.values():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from moaspec.heap import cap_kernel_caches
+
+    cap_kernel_caches()  # before torch runs anything: a long-running server's memory stays flat
+    args = build_parser().parse_args(argv)
+    try:
+        # data and train check their own; tune's default, in the cache, is made when it is needed
+        if args.command in ("bench", "bench-cs", "export-client", "export-hf", "tune") and args.output is not None:
+            from moaspec.fileio import check_output_dir
+
+            check_output_dir(args.output)
+        return COMMANDS[args.command](args)
+    except MoaspecError as exc:
+        print(f"moaspec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        if exc.errno not in DISK_ERRORS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"moaspec: error: {exc.strerror}{where}: {DISK_ERRORS[exc.errno]}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\nmoaspec: interrupted", file=sys.stderr)
+        return 130

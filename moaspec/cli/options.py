@@ -1,0 +1,198 @@
+"""What several commands share: option validators, option groups, and the objects options describe
+(the target, the decoding strategy, a benchmark's settings)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from moaspec.errors import MoaspecError
+
+
+def require(args: argparse.Namespace, rule: str, holds: Callable[[Any], bool], *names: str) -> None:
+    """Refuse the first option of ``names`` whose value (when given) breaks ``rule``, naming it and its value."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not holds(value):
+            raise MoaspecError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+
+
+def at_least(low: float) -> Callable[[Any], bool]:
+    return lambda v: v >= low  # False for NaN
+
+
+def finite_positive(v: float) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return n
+
+
+def add_model_options(p: argparse.ArgumentParser, threads: str = "torch's choice") -> None:
+    from moaspec.drafters.checkpoint import DTYPE_CHOICES
+
+    p.add_argument("--model", default=None, help="model: 'smollm2' (default, embedded), a .gguf file, or a local HF model directory")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=_positive_int, default=None, help=f"CPU threads for torch (default: {threads})")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="the target's weights and activations (default: float32 on every device, where greedy "
+                        "speculative output equals vanilla's token for token; bfloat16/float16 are faster on GPUs but "
+                        "round a verification differently from one-token steps, so answers can part at near-ties)")
+
+
+def add_drafter_dtype_option(p: argparse.ArgumentParser) -> None:
+    from moaspec.drafters.checkpoint import DTYPE_CHOICES
+
+    p.add_argument("--drafter-dtype", choices=DTYPE_CHOICES, default=None,
+                   help="the drafters' weights and activations (default 'auto': bf16 on CPUs with oneDNN bf16 kernels, "
+                        "else the target's dtype); never changes the text, only which drafts are accepted")
+
+
+def add_sampling_options(p: argparse.ArgumentParser, seed_help: str = "seed for sampling") -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help=seed_help)
+
+
+def default_chain() -> int:
+    from moaspec.decoding.speculative import DEFAULT_CHAIN
+
+    return DEFAULT_CHAIN
+
+
+def default_lookup() -> int:
+    from moaspec.decoding.lookup import DEFAULT_LOOKUP
+
+    return DEFAULT_LOOKUP
+
+
+def _probability(text: str) -> float:
+    try:
+        p = float(text)
+    except ValueError:
+        p = -1.0
+    if not 0 <= p < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability in [0, 1)")
+    return p
+
+
+def add_confidence_option(p: argparse.ArgumentParser, tunable: bool = False) -> None:
+    """``tunable``: left out, the option is None, so that the settings `moaspec tune` saved may apply."""
+    from moaspec.decoding.speculative import DEFAULT_CONFIDENCE
+
+    p.add_argument("--draft-confidence", type=_probability, default=None if tunable else DEFAULT_CONFIDENCE, metavar="P",
+                   help="end a chain early (chains only): drafts after the first only while the drafter gives them probability "
+                        f">= P, so --chain is the most per forward (0: off; default {DEFAULT_CONFIDENCE:g})")
+
+
+def _add_lookup_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="prompt lookup: up to N drafts copied from where the newest tokens occurred before, before the "
+                        "drafter's chain (which drafts only where nothing matches) or grafted onto its tree; "
+                        f"0: off (default {default_lookup()}; with --no-draft 0, and N > 0 runs lookup alone)")
+
+
+def add_tree_options(p: argparse.ArgumentParser) -> None:
+    from moaspec.decoding.tree import TreeShape
+
+    d = TreeShape()
+    p.add_argument("--tree-depth", type=int, default=None, help=f"tree levels below the newest token (default {d.depth})")
+    p.add_argument("--tree-top-k", type=int, default=None, help=f"nodes expanded per level and children per node (default {d.top_k})")
+    p.add_argument("--tree-total", type=int, default=None, help=f"tree nodes verified per target forward (default {d.total})")
+
+
+def tree_knobs(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The tree ``--tree-depth``, ``--tree-top-k`` and ``--tree-total`` describe, the rest from the defaults."""
+    from moaspec.decoding.tree import TreeShape
+
+    d = TreeShape()
+    return TreeShape(d.depth if args.tree_depth is None else args.tree_depth,
+                     d.top_k if args.tree_top_k is None else args.tree_top_k,
+                     d.total if args.tree_total is None else args.tree_total)
+
+
+def tree_shape(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The tree the options ask for (``--tree`` and its knobs), or None for chains."""
+    if args.tree:
+        return tree_knobs(args)
+    if any(getattr(args, k) is not None for k in ("tree_depth", "tree_top_k", "tree_total")):
+        raise MoaspecError("--tree-depth, --tree-top-k and --tree-total shape a tree: add --tree")
+    return None
+
+
+def add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """How ``generate`` and ``serve`` decode with a drafter; left out, what `moaspec tune` measured fastest here."""
+    p.add_argument("--chain", type=int, default=None, metavar="T",
+                   help=f"chain drafting: T drafts per target forward (default {default_chain()}, measured best on the "
+                        "CPUs of BENCHMARKS.md, or what `moaspec tune` saved for this machine)")
+    add_confidence_option(p, tunable=True)
+    p.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
+    add_tree_options(p)
+    _add_lookup_option(p)
+    p.add_argument("--no-tuned", action="store_true",
+                   help="ignore the settings `moaspec tune` saved for this machine (used when no decoding option is given)")
+
+
+def strategy_for(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
+    """The decoding the options ask for: the given or shipped drafter, chain or tree, prompt lookup; or none."""
+    from moaspec.api import SHIPPED, decoding_strategy
+
+    if args.lookup is not None and args.lookup < 0:
+        raise MoaspecError("--lookup must be >= 0 (0: off)")
+    if args.chain is not None and args.chain < 1:
+        raise MoaspecError("--chain must be >= 1")
+
+    def notify(message: str) -> None:
+        print(f"moaspec: {message} (train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
+
+    return decoding_strategy(loaded, None if args.no_draft else args.drafter or SHIPPED, chain=args.chain,
+                             tree=tree_shape(args), lookup=args.lookup, confidence=args.draft_confidence,
+                             tuned=not args.no_tuned, notify=notify)
+
+
+def load_target(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The target ``--model``, ``--device`` and ``--dtype`` name, with ``--threads`` and ``--drafter-dtype`` set first."""
+    import torch
+
+    from moaspec.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if getattr(args, "drafter_dtype", None):  # read where drafters load, here and in any server process started
+        from moaspec.drafters.checkpoint import DTYPE_VARIABLE
+
+        os.environ[DTYPE_VARIABLE] = args.drafter_dtype
+    return load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+def method_list(text: str) -> list[str]:
+    """``--methods`` of bench and bench-cs: a comma list of distinct names (each command checks the names)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names or len(set(names)) != len(names):
+        raise MoaspecError("--methods needs a comma list of distinct methods")
+    return names
+
+
+def bench_settings(args: argparse.Namespace, loaded, *skip: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The options that shape a benchmark's methods, recorded in its summary (and checked when it resumes),
+    with the dtypes and device the target and drafters actually ran in rather than "auto": a half-precision
+    target's greedy answers may part from vanilla's, so a reader of the figures must see which it was."""
+    from moaspec.drafters.checkpoint import drafting_dtype
+
+    settings = {k: v for k, v in vars(args).items() if k not in ("output", "no_progress", *skip)}
+    settings["drafter_dtype"] = str(drafting_dtype(loaded)).removeprefix("torch.")
+    settings["target_dtype"] = str(loaded.model.dtype).removeprefix("torch.")
+    settings["target_device"] = str(loaded.model.device)
+    return settings

@@ -1,0 +1,147 @@
+"""``moaspec train``: distil a drafter (MoA, EAGLE or independent) from the target."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from moaspec.cli import options
+from moaspec.errors import MoaspecError
+
+
+def _lsa_width(text: str) -> int | str:
+    """``--lsa-width``: a whole number (checked against LSA's 64-wide heads later) or "full"."""
+    if text == "full":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor 'full'") from None
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    t = sub.add_parser("train", help="distil a MoA drafter from the target (HF Accelerate; works under accelerate launch / torchrun)")
+    t.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="one or more directories made by `moaspec data`, trained on together")
+    t.add_argument("--output", required=True, help="run directory: state, logs, and the exported drafter in OUTPUT/drafter (resumes if it exists)")
+    t.add_argument("--kind", choices=("moa", "eagle", "independent"), default="moa",
+                   help="drafter to train: MoA, the EAGLE baseline, or an independent small model (classic speculative decoding)")
+    t.add_argument("--steps", type=int, default=1000, help="optimizer updates")
+    t.add_argument("--tokens-per-batch", type=int, default=4096, help="tokens per micro-batch and process, padding included")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--warmup", type=int, default=50, help="linear warm-up updates, then cosine decay")
+    t.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="draft logits over the K most frequent target outputs (0 = whole vocabulary)")
+    t.add_argument("--tli-layers", type=int, default=0, help="Target Layer Inference: reuse the target's last N layers")
+    t.add_argument("--segment-min", type=int, default=5, help="shortest T-step-bounded training segment")
+    t.add_argument("--segment-max", type=int, default=15, help="longest T-step-bounded training segment")
+    t.add_argument("--segment-long-fraction", type=float, default=0.0,
+                   help="share of segments drawn longer, from segment-max+1 to --segment-long-max (drafting alone)")
+    t.add_argument("--segment-long-max", type=int, default=0, help="longest of those long segments")
+    t.add_argument("--no-staircase", action="store_true", help="no SA curriculum")
+    t.add_argument("--kl-weight", type=float, default=None,
+                   help="weight of the KL term of the loss (default 0.1, the paper's)")
+    t.add_argument("--feature-weight", type=float, default=None,
+                   help="weight of the SmoothL1 feature term (default 1.0, the paper's)")
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--save-every", type=int, default=50)
+    t.add_argument("--val-fraction", type=float, default=0.02)
+    t.add_argument("--mixed-precision", choices=("auto", "no", "fp16", "bf16"), default="auto")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
+    t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")
+    t.add_argument("--lsa-width", type=_lsa_width, default=None,
+                   help="LSA width, a multiple of 64, or 'full': a layer's K/V width, the paper's "
+                        "(default: half of that)")
+    t.add_argument("--lsa-mlp", type=int, default=None, help="LSA MLP width (default: twice the LSA width)")
+    memory = t.add_mutually_exclusive_group()
+    memory.add_argument("--no-lsa", action="store_true",
+                        help="ablation: MoA's memory from the target's final states instead of Layer Self-Attention over all layers")
+    memory.add_argument("--memory-final", action="store_true",
+                        help="extension beyond the paper: each memory entry adds a projection of the target's final state "
+                             "of its token to LSA's output (with --init-from a plain MoA drafter: added at zero)")
+    t.add_argument("--newest-entry", action="store_true",
+                   help="extension beyond the paper: Cross-Attention's input also carries a projection of the newest "
+                        "memory entry it may read, as EAGLE's first draft reads the newest verified state "
+                        "(with --init-from a drafter without it: added at zero)")
+    t.add_argument("--derotate-keys", action="store_true",
+                   help="extension beyond the paper: Layer Self-Attention reads each layer's keys with their rotary "
+                        "position removed (the cache holds them rotated); with --init-from a drafter without it: "
+                        "an approximate warm start")
+    t.add_argument("--layers", type=int, default=None,
+                   help="independent drafter: decoder blocks, copied from the target's first ones (default 2)")
+    t.add_argument("--init-from", default="",
+                   help="start from this exported drafter (RUN/drafter) instead of random weights; "
+                        "a MoA one may change --tli-layers or add --memory-final, --newest-entry or --derotate-keys")
+    t.add_argument("--same-data-as", default="", metavar="RUN",
+                   help="train on exactly the batches another run used (its shards per epoch and draft vocabulary): "
+                        "a like-for-like comparison even after the data set grew")
+    t.add_argument("--no-feature-cache", action="store_true",
+                   help="recompute the target's features every epoch instead of caching them (fp16, ~24 KiB/token for SmolLM2) under DIR/features")
+    t.add_argument("--no-progress", action="store_true")
+    options.add_model_options(t)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moaspec.fileio import check_output_dir
+    from moaspec.training.trainer import RUN_FILES, RUN_MARKER, TrainConfig, Trainer
+
+    check_output_dir(args.output, RUN_MARKER, RUN_FILES)
+
+    options.require(args, ">= 1", options.at_least(1), "steps", "tokens_per_batch", "grad_accum", "max_len",
+                    "eval_every", "save_every", "segment_min")
+    options.require(args, "a finite number > 0", options.finite_positive, "lr")
+    options.require(args, ">= 0", options.at_least(0), "warmup", "draft_vocab")
+    options.require(args, "in (0, 1)", lambda v: 0 < v < 1, "val_fraction")
+    if args.segment_max < args.segment_min:
+        raise MoaspecError("--segment-max must be >= --segment-min")
+    options.require(args, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0, "kl_weight", "feature_weight")
+    weights = {k: v for k in ("kl_weight", "feature_weight") if (v := getattr(args, k)) is not None}
+    if not 0 <= args.segment_long_fraction < 1 or (args.segment_long_fraction > 0 and args.segment_long_max <= args.segment_max):
+        raise MoaspecError("--segment-long-fraction must be in [0, 1), and with it --segment-long-max > --segment-max")
+    cfg = TrainConfig(
+        kind=args.kind, steps=args.steps, tokens_per_batch=args.tokens_per_batch, grad_accum=args.grad_accum, lr=args.lr,
+        warmup=args.warmup, max_len=args.max_len, segment_min=args.segment_min, segment_max=args.segment_max,
+        segment_long_max=args.segment_long_max, segment_long_fraction=args.segment_long_fraction,
+        staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
+        save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
+        mixed_precision=args.mixed_precision, cache_features=not args.no_feature_cache, init_from=args.init_from,
+        same_data_as=args.same_data_as, **weights,
+    )
+    if cfg.kl_weight == cfg.feature_weight == 0:
+        raise MoaspecError("--kl-weight and --feature-weight cannot both be 0: nothing would be learnt")
+    loaded = options.load_target(args)
+    if not 0 <= args.tli_layers < loaded.cfg.num_layers:
+        raise MoaspecError(f"--tli-layers must be in 0..{loaded.cfg.num_layers - 1}")
+    moa_sizes = (args.sa_mlp, args.ca_mlp, args.lsa_width, args.lsa_mlp)
+    if args.kind != "moa" and (args.tli_layers or any(w is not None for w in moa_sizes) or args.no_lsa or args.memory_final
+                               or args.newest_entry or args.derotate_keys):
+        raise MoaspecError("--tli-layers, --sa-mlp, --ca-mlp, --lsa-width, --lsa-mlp, --no-lsa, --memory-final, "
+                           "--newest-entry and --derotate-keys apply to MoA drafters only")
+    if args.no_lsa and args.derotate_keys:
+        raise MoaspecError("--derotate-keys changes Layer Self-Attention's input, which --no-lsa removes")
+    if isinstance(args.lsa_width, int) and (args.lsa_width <= 0 or args.lsa_width % 64):
+        raise MoaspecError(f"--lsa-width must be a positive multiple of 64 (LSA's heads are 64 wide), got {args.lsa_width}")
+    if args.layers is not None and (args.kind != "independent" or not 1 <= args.layers < loaded.cfg.num_layers):
+        raise MoaspecError(f"--layers applies to independent drafters and must be in 1..{loaded.cfg.num_layers - 1}")
+    if args.draft_vocab > loaded.cfg.vocab_size:
+        raise MoaspecError(f"--draft-vocab must be at most the target's vocabulary ({loaded.cfg.vocab_size}), "
+                           f"or 0 for all of it; got {args.draft_vocab}")
+    sizes: dict[str, int | str | bool | None] = {}
+    if args.kind == "moa":
+        sizes = {"sa_mlp": args.sa_mlp, "ca_mlp": args.ca_mlp, "lsa_width": args.lsa_width, "lsa_mlp": args.lsa_mlp,
+                 "memory_source": "last-layer" if args.no_lsa else "lsa+final" if args.memory_final else None,
+                 "newest_entry": True if args.newest_entry else None,
+                 "derotate_keys": True if args.derotate_keys else None}
+    elif args.kind == "independent":
+        sizes = {"layers": args.layers}
+    trainer = Trainer(loaded, [Path(d) for d in args.data], Path(args.output), cfg, sizes, progress=not args.no_progress)
+    summary = trainer.train()
+    if trainer.acc.is_main_process:
+        print(json.dumps({k: summary[k] for k in ("steps", "tokens", "wall_s", "last_val")}))
+        print(f"drafter written to {Path(args.output) / 'drafter'}")
+    return 0

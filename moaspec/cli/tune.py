@@ -1,0 +1,60 @@
+"""``moaspec tune``: measure the fastest decoding setting on this machine and save it as the default."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moaspec.cli import options
+from moaspec.errors import MoaspecError
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    u = sub.add_parser("tune", help="measure the fastest chain/tree/lookup setting on this machine and save it as the "
+                                    "default of generate, serve and moaspec.load")
+    u.add_argument("--drafter", default=None, help="the drafter to tune for (default: the one shipped for the target)")
+    u.add_argument("--questions", default=None,
+                   help="SpecBench-format .jsonl file or directory to time on (default: 12 built-in prompts of six kinds)")
+    u.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
+    u.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default 128)")
+    u.add_argument("--output", default=None,
+                   help="run directory for answers, summary.json and plots (default: beside the saved setting, in the "
+                        "cache); an interrupted run resumes there")
+    u.add_argument("--no-save", action="store_true", help="measure and print, but save nothing")
+    u.add_argument("--no-progress", action="store_true")
+    options.add_model_options(u)
+    options.add_drafter_dtype_option(u)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moaspec.bench.tune import PROMPTS, grid, report, tune
+    from moaspec.drafters import load_drafter, shipped_drafter
+    from moaspec.specbench import check_first_turns_fit, load_questions
+    from moaspec.tuned import Decoding, machine_key, save_tuned, tuned_file
+
+    options.require(args, ">= 1", options.at_least(1), "max_new_tokens", "limit")
+    questions = load_questions(args.questions or PROMPTS, per_file=args.limit)
+    loaded = options.load_target(args)
+    check_first_turns_fit(questions, loaded.tokenizer, loaded.cfg.max_position_embeddings)
+    path = args.drafter or shipped_drafter(loaded)
+    if path is None:
+        raise MoaspecError(f"no drafter ships for {loaded.path.name}: train one with `moaspec train` and pass --drafter")
+    drafter = load_drafter(path, loaded)
+    key = machine_key(loaded, path, drafter)
+    output = Path(args.output) if args.output else tuned_file(key).with_suffix("")
+    settings = grid(loaded.model.device.type)
+    print(f"moaspec tune: {len(settings)} settings and plain decoding on {len(questions)} prompts × "
+          f"{args.max_new_tokens} tokens ({key['device']}, {key['threads'] or 'GPU'} threads); run in {output}",
+          file=sys.stderr)
+    best, summary = tune(loaded, drafter, questions, args.max_new_tokens, output, settings,
+                         progress=not args.no_progress)
+    print(report(summary, best, Decoding()))
+    if args.no_save:
+        return 0
+    saved = save_tuned(key, best, {k: v["overall"] for k, v in summary["results"].items()})
+    print(f"saved to {saved}: `moaspec generate`, `serve` and moaspec.load() now decode with {best.name()} for this "
+          "target, drafter, device and thread count when no decoding option is given (--no-tuned, or deleting the "
+          "file, restores the built-in default)")
+    return 0
