@@ -13,9 +13,11 @@ import httpx
 
 
 @contextmanager
-def serving(port: int, serve_args: Sequence[str] = ()) -> Iterator[subprocess.Popen]:
-    """Start the server on ``port`` and yield its process once it listens (it prints "serving ... on URL")."""
+def serving(port: int, serve_args: Sequence[str] = (), core: int | None = None) -> Iterator[subprocess.Popen]:
+    """Start the server on ``port`` (pinned to ``core``, if given) and yield its process once it listens (it prints
+    "serving ... on URL")."""
     cmd = [sys.executable, "-m", "moaspec.cli", "serve", "--port", str(port), "--log-level", "warning", *serve_args]
+    cmd = cmd if core is None else ["taskset", "-c", str(core), *cmd]
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         line = server.stderr.readline()  # type: ignore[union-attr]

@@ -42,10 +42,11 @@ class Cores:
             with self._lock:
                 self._busy -= 1
 
-    def for_prefill(self) -> int:
-        """Threads for a prefill's next chunk: every core if nothing else is busy, else the share."""
+    def for_prefill(self, waiting: int = 0) -> int:
+        """Threads for a prefill's next chunk (or a batch of forwards): every core if nothing else is busy, else the
+        share. ``waiting``: work counted busy that only waits for this one (verifications whose forwards it runs)."""
         with self._lock:
-            return self.total if self._busy <= 1 else self.share
+            return self.total if self._busy <= 1 + waiting else self.share
 
 
 def working(cores: Cores | None) -> AbstractContextManager[None]:

@@ -24,6 +24,7 @@ from moaspec.decoding.prefill import PromptCache
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.moa import MoAConfig, MoADrafter
+from moaspec.models.transformer import Call
 from moaspec.serving import Engine, create_app
 from servers import running
 
@@ -1043,3 +1044,53 @@ def test_a_tli_client_of_a_qwen3_target_with_scaled_rope_runs_from_its_bundle(tm
     out = jsonlib.loads(capsys.readouterr().out)
     ids = encode_chat(target.tokenizer, chat_messages("The quick brown fox"))
     assert out["text"] == generate(target.model, target.tokenizer, ids, GenerationConfig(max_new_tokens=24)).text
+
+
+def test_sessions_verified_together_get_the_answers_they_get_alone(tiny_llama, drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Six clients verifying at once, chains and trees, greedy and sampling: with the batcher their forwards run
+    together (fewer forwards than verifications), and every answer, accepted path and state is the one the
+    same client gets from a store that verifies one session at a time."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moaspec.batching import ForwardBatcher
+
+    model = tiny_llama.model
+    run_many = model.forward_many
+    monkeypatch.setattr(model, "forward_many", lambda calls: time.sleep(0.02) or run_many(calls))  # let the queue fill
+    batcher = ForwardBatcher(model)
+    together = SessionStore(tiny_llama, drafter, Limits(max_draft=8), batcher=batcher)
+    alone = SessionStore(tiny_llama, drafter, Limits(max_draft=8))
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    prompts = [token_ids(9 + 4 * k, 20 + k) for k in range(6)]
+    greedy = [generate(model, tiny_llama.tokenizer, p, cfg).token_ids for p in prompts]
+    lined_up = threading.Barrier(6)
+
+    def client(store: SessionStore, k: int, wait: bool) -> list[dict]:
+        sampling = SamplingParams(temperature=0.8, seed=k) if k == 5 else SamplingParams()
+        a = store.open(prompts[k], "moa", "fp16", 32, sampling=sampling)
+        answers, n = [a], 1  # n: answer tokens verified so far
+        for _ in range(5):
+            right = greedy[k][n : n + 2]  # the target's own next tokens: accepted while the session is greedy
+            draft, parents = ([right[0], 7, right[1]], [0, 0, 1]) if k % 2 else ([*right, 7], None)
+            if wait:
+                lined_up.wait()
+            answer = store.verify(a["session"], answers[-1]["verified"], draft, parents)
+            n += answer["accepted"] + 1
+            answers.append(answer)
+        return answers
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda k: client(together, k, True), range(6)))
+    want = [client(alone, k, False) for k in range(6)]
+    assert batcher.forwards == 30 and batcher.batches < 30  # every verification's forward, some run together
+    for g, w in zip(got, want):
+        for a, b in zip(g[1:], w[1:]):
+            assert {k: a[k] for k in ("accepted", "token", "verified", "path") if k in a} == \
+                   {k: b[k] for k in ("accepted", "token", "verified", "path") if k in b}
+            torch.testing.assert_close(codec.decode(a["state"]), codec.decode(b["state"]), atol=2e-3, rtol=0)
+    assert sum(a["accepted"] for g in got[:5] for a in g[1:]) >= 20  # the greedy sessions accepted their right drafts
+    with pytest.raises(ValueError, match="cache overflow"):  # refused alone, before it could fail a batch
+        full = model.new_cache(4)
+        full.length = 4
+        batcher.forward(Call(torch.zeros(1, 1, dtype=torch.long), full))

@@ -569,3 +569,38 @@ def test_rope_of_released_configs_matches_transformers(name: str) -> None:
     torch.testing.assert_close(scaled_frequencies(plain, ours.rope_theta, ours.head_dim, ours.rope_scaling), inv_freq,
                                rtol=1e-6, atol=0)
     assert rope_magnitude(ours.rope_scaling) == pytest.approx(attention_factor)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_many_computes_what_each_forward_computes(pairs, family: str) -> None:  # type: ignore[no-untyped-def]
+    """Three sequences at different lengths, a chain, a single token and a draft tree, in one forward: each call's
+    logits, final states and cache are those of its own forward."""
+    from moaspec.models.transformer import Call
+
+    ours, _ = pairs[family]
+    V, gen = ours.cfg.vocab_size, torch.Generator().manual_seed(7)
+    parents, depths = branches_tree()
+
+    def calls(caches):  # type: ignore[no-untyped-def]
+        chain, one, tree = caches
+        return [Call(news[0], chain), Call(news[1], one, logits_at=slice(-1, None)),
+                Call(news[2], tree, tree.length + torch.tensor(depths), tree_mask(tree.length, ancestors_matrix(parents)))]
+
+    prefixes = [torch.randint(0, V, (1, n), generator=gen) for n in (5, 17, 11)]
+    news = [torch.randint(0, V, (1, n), generator=gen) for n in (4, 1, len(parents))]
+    alone, together = [ours.new_cache(64) for _ in prefixes], [ours.new_cache(64) for _ in prefixes]
+    for p, a, b in zip(prefixes, alone, together):
+        ours(p, a), ours(p, b)
+    want = [ours(c.tokens, c.cache, c.positions, c.mask, c.logits_at) for c in calls(alone)]
+    got = ours.forward_many(calls(together))
+    for w, g, a, b in zip(want, got, alone, together):
+        assert g.start == w.start and b.length == a.length
+        torch.testing.assert_close(g.logits, w.logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(g.hidden, w.hidden, atol=1e-4, rtol=0)
+        torch.testing.assert_close(b.keys[:, :, :, : b.length], a.keys[:, :, :, : a.length], atol=1e-5, rtol=0)
+        torch.testing.assert_close(b.values[:, :, :, : b.length], a.values[:, :, :, : a.length], atol=1e-5, rtol=0)
+    full = ours.new_cache(6)
+    ours(torch.zeros(1, 4, dtype=torch.long), full)
+    with pytest.raises(ValueError, match="cache overflow"):
+        ours.forward_many([Call(torch.zeros(1, 3, dtype=torch.long), full)])
+    assert full.length == 4

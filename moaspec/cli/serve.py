@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="another MoA drafter whose server half (LSA) serves client–server clients, e.g. one with "
                         "another --tli-layers (repeatable)")
     s.add_argument("--no-draft", action="store_true", help="plain decoding")
+    s.add_argument("--no-batch", action="store_true",
+                   help="verify client–server sessions one at a time (default: the verifications waiting at the same "
+                        "time run as one target forward)")
     options.add_decoding_options(s)
     options.add_model_options(s, threads="the cores shared between the --parallel decoders, and all of them to a "
                                          "prompt read while nothing else runs; a number fixes every decoder's")
@@ -82,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
                                "no server half)")
         moas.append(more)
     limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
-    sessions = SessionStore(loaded, moas, limits, prompt_cache=prompts, cores=cores)
+    from moaspec.batching import ForwardBatcher
+
+    batcher = None if args.no_batch else ForwardBatcher(loaded.model, cores)
+    sessions = SessionStore(loaded, moas, limits, prompt_cache=prompts, cores=cores, batcher=batcher)
     name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()
     api_key = args.api_key or os.environ.get("MOASPEC_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,

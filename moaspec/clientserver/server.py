@@ -11,6 +11,9 @@
 Target forwards run on worker threads, at most ``workers`` at once (more would only
 share the same cores, and every extra thread grows the allocator's arenas), so a
 slow verification never blocks the event loop; requests beyond that wait their turn.
+When the store verifies sessions together (its ``batcher``), a verification's thread mostly
+waits for the batch, so one session in ``max_sessions`` may verify at once; opens (prefills)
+keep to ``workers``.
 A client that disconnects while its session's prompt is prefilled stops that prefill
 within one chunk (a client whose open timed out would otherwise have the server prefill
 its prompt once per retry).
@@ -88,6 +91,7 @@ async def _call(limiter: anyio.CapacityLimiter, fn: Any, *args: Any) -> Any:
 def router(store: SessionStore, workers: int = 2) -> APIRouter:
     r = APIRouter(prefix="/cs/v1")
     limiter = anyio.CapacityLimiter(workers)
+    verifying = anyio.CapacityLimiter(store.limits.max_sessions) if store.batcher is not None else limiter
 
     @r.get("/info")
     async def info() -> dict[str, Any]:
@@ -110,7 +114,7 @@ def router(store: SessionStore, workers: int = 2) -> APIRouter:
 
     @r.post("/sessions/{sid}/verify")
     async def verify(sid: str, req: VerifyRequest) -> dict[str, Any]:
-        return await _call(limiter, store.verify, sid, req.verified, req.draft, req.parents, req.draft_dists())
+        return await _call(verifying, store.verify, sid, req.verified, req.draft, req.parents, req.draft_dists())
 
     @r.delete("/sessions/{sid}", status_code=204)
     async def close(sid: str) -> Response:

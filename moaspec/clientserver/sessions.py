@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from moaspec.batching import ForwardBatcher
 from moaspec.chat import outside_vocabulary
 from moaspec.clientserver import codec
 from moaspec.cores import Cores, prefill_threads, working
@@ -52,7 +53,7 @@ from moaspec.drafters.moa import MoADrafter
 from moaspec.heap import release_free_memory
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
-from moaspec.models.transformer import ChunkCallback, tree_mask
+from moaspec.models.transformer import Call, ChunkCallback, ForwardOutput, tree_mask
 
 MAX_SUPPORT = 64  # most tokens in one draft's distribution (the client sends its top 32)
 
@@ -115,13 +116,16 @@ class SessionStore:
     """Target sessions for remote drafters, with limits and expiry."""
 
     def __init__(self, target: LoadedModel, moa: MoADrafter | Sequence[MoADrafter] | None = None,
-                 limits: Limits = Limits(), prompt_cache: PromptCache | None = None, cores: Cores | None = None) -> None:
+                 limits: Limits = Limits(), prompt_cache: PromptCache | None = None, cores: Cores | None = None,
+                 batcher: ForwardBatcher | None = None) -> None:
         """``moa``: the MoA drafters whose server half (LSA) this server runs for remote clients.
 
         Several let clients with different drafters (N = 0 and N = 1, or an old and a new
         version during a rollout) share one server; each names its own when it opens a session.
         ``prompt_cache``: where sessions begin from what was read before, and leave what they verified.
         ``cores``: how the CPU's cores are shared with other work (a prefill alone gets them all).
+        ``batcher``: runs the verifications' target forwards that wait at the same time as one (sessions
+        verified together read the weights once); without it each verification runs its own.
         """
         self.target = target
         moas = [] if moa is None else [moa] if isinstance(moa, MoADrafter) else list(moa)
@@ -131,6 +135,7 @@ class SessionStore:
         self.limits = limits
         self.prompt_cache = prompt_cache
         self.cores = cores
+        self.batcher = batcher
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -330,7 +335,7 @@ class SessionStore:
             nodes = torch.tensor([s.tokens[-1], *draft], dtype=torch.long)
             greedy, gen = s.sampling.greedy, s.generator
             if parents is None:
-                out = self.target.model(nodes[None].to(device), cache)
+                out = self._forward(Call(nodes[None].to(device), cache))
                 drafts = nodes[1:].to(device)
                 if greedy:
                     verdict = verify_greedy(drafts, out.logits[0])
@@ -340,8 +345,8 @@ class SessionStore:
                 path, token = list(range(1, verdict.accepted + 1)), verdict.next_token
             else:
                 tree = DraftTree.from_parents(nodes.tolist(), [-1, *parents])
-                out = self.target.model(nodes[None].to(device), cache, positions=start + tree.depths.to(device),
-                                        mask=tree_mask(start, tree.ancestors().to(device)))
+                out = self._forward(Call(nodes[None].to(device), cache, start + tree.depths.to(device),
+                                         tree_mask(start, tree.ancestors().to(device))))
                 scores = out.logits[0] if greedy else probabilities(out.logits[0], s.sampling)
                 path, token = verify_tree(tree.tokens, tree.parents, scores, greedy, gen)
             kept = [0, *path]
@@ -354,6 +359,12 @@ class SessionStore:
                       **self._state_of(s, start, cache.length, out.hidden[0, kept])}
             s.last = (key, answer)
             return answer
+
+    def _forward(self, call: Call) -> ForwardOutput:
+        """A verification's target forward: with the batcher, together with the others waiting."""
+        if self.batcher is not None:
+            return self.batcher.forward(call)
+        return self.target.model(call.tokens, call.cache, call.positions, call.mask)
 
     def close(self, sid: str) -> None:
         with self._lock:

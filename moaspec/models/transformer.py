@@ -12,7 +12,7 @@ returns the residual stream after any requested layer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,8 +146,23 @@ class Attention(nn.Module):
         start: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        return self.o(self.attend(self.qkv(x), cos, sin, k_cache, v_cache, start, mask))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of new tokens' fused ``qkv`` projection ``[B, T, q + 2 kv]`` over the cache and themselves, before
+        the output projection: ``[B, T, q_dim]``. Apart from :meth:`forward` so that several sequences' tokens can share
+        the projections (:meth:`Transformer.forward_many`) while each attends to its own cache."""
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(self.split, dim=-1)
         q, k = q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
@@ -165,7 +180,7 @@ class Attention(nn.Module):
             k_cache[:, :, start:end], v_cache[:, :, start:end] = k, v
             keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+        return y.transpose(1, 2).reshape(B, T, -1)
 
 
 class MLP(nn.Module):
@@ -192,6 +207,17 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask):  # type: ignore[no-untyped-def]
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, k_cache, v_cache, start, mask)
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
+
+
+@dataclass(frozen=True)
+class Call:
+    """One sequence's part of :meth:`Transformer.forward_many`: as :meth:`Transformer.forward`'s arguments, batch 1."""
+
+    tokens: torch.Tensor  # [1, T]
+    cache: KVCache
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    logits_at: slice | torch.Tensor | None = None
 
 
 @dataclass
@@ -369,6 +395,48 @@ class Transformer(nn.Module):
         selected = hidden if logits_at is None else hidden[:, logits_at]
         logits = self.lm_head(selected)
         return ForwardOutput(logits=logits, hidden=hidden, start=start, layer_hidden=captured)
+
+    @torch.inference_mode()
+    def forward_many(self, calls: Sequence[Call]) -> list[ForwardOutput]:
+        """Several sequences' forwards of a few new tokens each, as one: what ``forward`` returns for each call.
+
+        Every linear layer runs once over all the calls' new tokens, so the weights are read once
+        for all of them (a decoding step's cost is reading them: on a CPU, 8 tokens cost about what
+        1 does; BENCHMARKS.md, "Forward cost by number of new tokens"); each call's tokens attend to
+        its own cache, with its own positions and mask. Meant for a server verifying many sessions'
+        drafts: no chunking, so calls should be small (a long prompt goes through ``forward``).
+        """
+        if self.first_block:
+            raise ValueError("forward_many runs whole models, not the last blocks alone")
+        parts = []  # per call: its first position, its new tokens' positions, cos/sin, and the attention mask
+        for c in calls:
+            B, T = c.tokens.shape
+            start = c.cache.length
+            if B != 1:
+                raise ValueError(f"forward_many takes one sequence per call, got a batch of {B}")
+            if start + T > c.cache.capacity:
+                raise ValueError(f"cache overflow: {start} cached + {T} new > capacity {c.cache.capacity}")
+            pos = torch.arange(start, start + T, device=c.tokens.device) if c.positions is None else c.positions
+            mask = self._mask(c.mask, start, T, pos)
+            mask = mask if mask is None else mask[None, None] if mask.dim() == 2 else mask[:, None]
+            parts.append((start, T, *self.rope(pos), mask))
+        bounds = torch.tensor([0] + [T for _, T, *_ in parts]).cumsum(0).tolist()
+        h = self.embed(torch.cat([c.tokens for c in calls], dim=1))
+        for i, block in enumerate(self.blocks):
+            qkv = block.attn.qkv(rms_norm(h, block.attn_norm, block.eps))
+            y = torch.cat([block.attn.attend(qkv[:, a:b], cos, sin, c.cache.keys[i], c.cache.values[i], start, mask)
+                           for c, a, b, (start, _, cos, sin, mask) in zip(calls, bounds, bounds[1:], parts)], dim=1)
+            h = h + block.attn.o(y)
+            h = h + block.mlp(rms_norm(h, block.mlp_norm, block.eps))
+        hidden = self.final_norm(h)
+        pieces = [hidden[:, a:b] for a, b in zip(bounds, bounds[1:])]
+        selected = [p if c.logits_at is None else p[:, c.logits_at] for c, p in zip(calls, pieces)]
+        logits = self.lm_head(torch.cat(selected, dim=1)).split([s.shape[1] for s in selected], dim=1)
+        outs = []
+        for c, (start, T, *_), piece, lg in zip(calls, parts, pieces, logits):
+            c.cache.length = start + T
+            outs.append(ForwardOutput(logits=lg, hidden=piece, start=start))
+        return outs
 
     def _mask(self, mask: torch.Tensor | None, start: int, T: int, positions: torch.Tensor) -> torch.Tensor | None:
         """The attention mask of ``T`` new tokens after ``start`` cached ones: ``mask``, or causal where none is
