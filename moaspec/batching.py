@@ -1,4 +1,4 @@
-"""Verifying many sessions' drafts in one target forward: a server's threads hand their forwards to one batching thread.
+"""Many requests' forwards in one target forward: a server's threads hand their small forwards to one batching thread.
 
 A decoding step on a CPU costs reading the weights, whatever the number of tokens (up to a
 few dozen), so a server with many clients spends most of its time reading the same weights
@@ -8,7 +8,10 @@ thread that runs all the forwards waiting at that moment as one
 took 99 ms together against 292 ms one after another (SmolLM2, 2 threads; BENCHMARKS.md,
 "Verifying many sessions at once"). No request waits for others to come: a batch takes what
 is queued when the last one ends (what queued up while it ran), so a lone client is not slowed,
-and under load the batches fill by themselves.
+and under load the batches fill by themselves. Client–server verifications use it directly
+(:class:`~moaspec.clientserver.sessions.SessionStore`); the OpenAI routes' decoders see the
+target through :class:`BatchedModel`, so concurrent requests' decoding steps and
+verifications run together.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from moaspec.cores import Cores, working
-from moaspec.models.transformer import Call, ForwardOutput, Transformer
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.transformer import Call, ChunkCallback, ForwardOutput, Transformer
+
+BATCHED_TOKENS = 64  # the most new tokens of a forward that joins a batch: verifications, not prompts
 
 
 @dataclass
@@ -83,3 +89,22 @@ class ForwardBatcher:
             self.batches, self.forwards = self.batches + 1, self.forwards + len(jobs)
             for job in jobs:
                 job.done.set()
+
+
+class BatchedModel:
+    """The target as a server's decoders see it: their decoding steps and verifications go through ``batcher``,
+    with whatever other requests' forwards wait at the time; anything else (a prompt read in chunks, states
+    after a given layer) runs as asked. Every other attribute is the model's."""
+
+    def __init__(self, model: Transformer, batcher: ForwardBatcher) -> None:
+        self.model, self.batcher = model, batcher
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.model, name)
+
+    def __call__(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, logits_at: slice | torch.Tensor | None = None,
+                 hidden_after: tuple[int, ...] = (), on_chunk: ChunkCallback | None = None) -> ForwardOutput:
+        if tokens.shape[0] != 1 or tokens.shape[1] > BATCHED_TOKENS or hidden_after or on_chunk is not None:
+            return self.model(tokens, cache, positions, mask, logits_at, hidden_after, on_chunk)
+        return self.batcher.forward(Call(tokens, cache, positions, mask, logits_at))

@@ -6,6 +6,7 @@ wrote — so the wire format is checked as real users meet it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from moaspec.chat import encode_chat, encode_text
-from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.generation import GenerationResult
 from moaspec.decoding.strategy import Strategy
 from moaspec.drafters.moa import MoAConfig, MoADrafter
@@ -221,6 +222,35 @@ def test_concurrent_requests_do_not_touch_each_others_caches(client, tiny_llama)
     assert got == want
 
 
+def test_requests_decoded_together_answer_as_alone(tiny_llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Four requests at once, their forwards run as one by the batcher (plain decoding, chains, a sampled chain):
+    each answer is what the request gets alone, and the forwards were batched."""
+    from moaspec.batching import ForwardBatcher
+
+    model = tiny_llama.model
+    run_many = model.forward_many
+    monkeypatch.setattr(model, "forward_many", lambda calls: time.sleep(0.005) or run_many(calls))  # let the queue fill
+    prompts = [encode_chat(tiny_llama.tokenizer, [{"role": "user", "content": p}]) for p in
+               ("The quick brown fox", "def add(a, b):", "Paris is the capital", "1 2 3 4 5")]
+    configs = [GenerationConfig(max_new_tokens=16, ignore_eos=True),
+               GenerationConfig(max_new_tokens=16, ignore_eos=True, sampling=SamplingParams(temperature=0.9, seed=5))]
+
+    async def answers(engine: Engine) -> list[list[int]]:
+        async def one(ids: list[int], cfg: GenerationConfig) -> list[int]:
+            return [item for item in [x async for x in engine.stream(ids, cfg)] if isinstance(item, GenerationResult)][0].token_ids
+        return list(await asyncio.gather(*(one(p, c) for p in prompts for c in configs)))
+
+    for strategy in (Strategy(), tiny_strategy(tiny_llama)):
+        batcher = ForwardBatcher(model)
+        together, alone = Engine(tiny_llama, strategy, parallel=4, batcher=batcher), Engine(tiny_llama, strategy, parallel=1)
+        try:
+            got, want = asyncio.run(answers(together)), asyncio.run(answers(alone))
+        finally:
+            together.close(), alone.close()
+        assert got == want
+        assert batcher.batches < batcher.forwards  # some requests' forwards ran together
+
+
 def test_a_conversations_next_turn_reuses_its_prompt(tiny_llama) -> None:  # type: ignore[no-untyped-def]
     """With a prompt cache the second turn reads only what the first turn's prompt and answer leave (OpenAI's
     cached_tokens), and its answer is the target's own greedy answer to the whole conversation."""
@@ -335,7 +365,6 @@ def test_a_taken_port_is_a_clear_error() -> None:
 def test_connections_accepted_by_the_server_send_without_nagle_delay() -> None:
     """asyncio (under uvicorn) turns Nagle off only on sockets that say TCP; with it on, each
     two-piece response waits ~40 ms for the client's delayed ACK (measured: 44 ms vs 0.6 ms)."""
-    import asyncio
     import socket
 
     from moaspec.serving import listen
@@ -365,7 +394,6 @@ def test_connections_accepted_by_the_server_send_without_nagle_delay() -> None:
 def test_a_prefill_that_runs_alone_takes_every_core(tiny_llama, monkeypatch, alone: bool) -> None:  # type: ignore[no-untyped-def]
     """A CPU server's decoders each get a share of the cores; a prompt read while nothing else runs gets them all,
     chunk by chunk, and its decoding goes back to the share."""
-    import asyncio
     from contextlib import nullcontext
 
     from moaspec.cores import Cores

@@ -34,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "another --tli-layers (repeatable)")
     s.add_argument("--no-draft", action="store_true", help="plain decoding")
     s.add_argument("--no-batch", action="store_true",
-                   help="verify client–server sessions one at a time (default: the verifications waiting at the same "
-                        "time run as one target forward)")
+                   help="one target forward per request and step (default: the decoding steps and verifications of "
+                        "the --parallel requests and of client–server sessions that wait at the same time run as one)")
     options.add_decoding_options(s)
     options.add_model_options(s, threads="the cores shared between the --parallel decoders, and all of them to a "
                                          "prompt read while nothing else runs; a number fixes every decoder's")
@@ -66,14 +66,16 @@ def run(args: argparse.Namespace) -> int:
     # a prefill alone may take every core (chosen threads, or one decoder, need no sharing; a GPU does not care)
     share = torch.get_num_threads()
     cores = Cores(total, share) if not args.threads and share < total and loaded.model.device.type == "cpu" else None
+    from moaspec.batching import ForwardBatcher
     from moaspec.clientserver.sessions import Limits, SessionStore
     from moaspec.decoding.prefill import PromptCache
     from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.moa import MoADrafter
 
     prompts = PromptCache(args.prompt_cache_mb << 20) if args.prompt_cache_mb else None
+    batcher = None if args.no_batch else ForwardBatcher(loaded.model, cores)
     engine = Engine(loaded, options.strategy_for(args, loaded), parallel=args.parallel, max_queue=args.max_queue,
-                    prompt_cache=prompts, cores=cores)
+                    prompt_cache=prompts, cores=cores, batcher=batcher)
     moa = engine.strategy.drafter
     if moa is None and (path := args.drafter or shipped_drafter(loaded)):  # --no-draft: remote clients still draft
         moa = load_drafter(path, loaded)
@@ -85,9 +87,6 @@ def run(args: argparse.Namespace) -> int:
                                "no server half)")
         moas.append(more)
     limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
-    from moaspec.batching import ForwardBatcher
-
-    batcher = None if args.no_batch else ForwardBatcher(loaded.model, cores)
     sessions = SessionStore(loaded, moas, limits, prompt_cache=prompts, cores=cores, batcher=batcher)
     name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()
     api_key = args.api_key or os.environ.get("MOASPEC_API_KEY") or None

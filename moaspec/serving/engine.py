@@ -19,8 +19,9 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from moaspec.batching import BatchedModel, ForwardBatcher
 from moaspec.cores import Cores, prefill_threads, working
 from moaspec.decoding.generation import GenerationConfig, GenerationResult
 from moaspec.decoding.prefill import Prefill, PromptCache
@@ -50,11 +51,15 @@ class Engine:
     """The target, its decoding strategy, and the worker threads that run requests."""
 
     def __init__(self, target: LoadedModel, strategy: Strategy, parallel: int = 1, max_queue: int = 16,
-                 prompt_cache: PromptCache | None = None, cores: Cores | None = None) -> None:
-        """``cores``: how the CPU's cores are shared between requests (None: each thread keeps what it has)."""
+                 prompt_cache: PromptCache | None = None, cores: Cores | None = None,
+                 batcher: ForwardBatcher | None = None) -> None:
+        """``cores``: how the CPU's cores are shared between requests (None: each thread keeps what it has);
+        ``batcher``: runs the requests' decoding steps and verifications that wait at the same time as one
+        forward (None: each request runs its own)."""
         if parallel < 1 or max_queue < 0:
             raise MoaspecError("parallel must be >= 1 and max_queue >= 0")
         self.target = target
+        self._runs_on = target if batcher is None else replace(target, model=BatchedModel(target.model, batcher))
         self.strategy = strategy
         self.prompt_cache = prompt_cache  # the prompts recently read, for the next turns of their conversations
         self.cores = cores
@@ -113,7 +118,7 @@ class Engine:
                 if not cancel.is_set():
                     with working(self.cores):
                         prefill = Prefill(check, self.prompt_cache, prefill_threads(self.cores))
-                        deliver(self.strategy.run(self.target, prompt_ids, config, on_piece=on_piece, prefill=prefill))
+                        deliver(self.strategy.run(self._runs_on, prompt_ids, config, on_piece=on_piece, prefill=prefill))
             except _Cancelled:
                 pass
             except BaseException as exc:  # handed to the request; the worker lives on
