@@ -4,7 +4,7 @@ Starts two `moaspec serve` processes, one with `--no-batch`, both pinned to the 
 (they take turns; only one is busy at a time), and runs C MoA client threads here, pinned to
 the other core, each answering SpecBench first turns one after another through `/cs/v1`
 (the shipped drafter, greedy, pipelined, chains of 2) for S seconds. The two servers are
-measured alternately, R rounds. Prints tokens/s over all clients per server and their ratio,
+measured alternately, R rounds (``--no-pin``: servers and clients share every core). Prints tokens/s over all clients per server and their ratio,
 and checks that both servers gave the same answers to the prompts both answered.
 
     .venv/bin/python benchmarks/cs_batching.py --clients 8 --seconds 60 --rounds 2 --output bench-out/cs-batching.json
@@ -67,10 +67,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=8801, help="the batching server; the other gets the next port")
     ap.add_argument("--questions", default=str(SPECBENCH))
+    ap.add_argument("--no-pin", action="store_true", help="servers and clients on every core (they share them)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
-    server_core, client_core = (cores[-1], cores[0]) if len(cores) > 1 else (None, None)
+    server_core, client_core = (cores[-1], cores[0]) if len(cores) > 1 and not args.no_pin else (None, None)
     if client_core is not None:
         os.sched_setaffinity(0, {client_core})
     target = load_model()

@@ -1,17 +1,17 @@
-"""Many requests' forwards in one target forward: a server's threads hand their small forwards to one batching thread.
+"""Many requests' forwards in one target forward, once they outnumber the cores.
 
 A decoding step on a CPU costs reading the weights, whatever the number of tokens (up to a
 few dozen), so a server with many clients spends most of its time reading the same weights
-for each of them in turn. Here every verification hands its forward (a few tokens) to one
-thread that runs all the forwards waiting at that moment as one
-(:meth:`~moaspec.models.transformer.Transformer.forward_many`): 8 verifications of 3 tokens
-took 99 ms together against 292 ms one after another (SmolLM2, 2 threads; BENCHMARKS.md,
-"Verifying many sessions at once"). No request waits for others to come: a batch takes what
-is queued when the last one ends (what queued up while it ran), so a lone client is not slowed,
-and under load the batches fill by themselves. Client–server verifications use it directly
-(:class:`~moaspec.clientserver.sessions.SessionStore`); the OpenAI routes' decoders see the
-target through :class:`BatchedModel`, so concurrent requests' decoding steps and
-verifications run together.
+for each of them in turn: 8 verifications of 3 tokens took 99 ms as one forward
+(:meth:`~moaspec.models.transformer.Transformer.forward_many`) against 292 ms one after
+another (SmolLM2, 2 threads; BENCHMARKS.md, "Verifying many sessions at once"). But two
+forwards on two cores, each on its own, finish sooner than both as one forward on one thread.
+So a :class:`ForwardBatcher` has ``lanes`` (the forwards the cores can run side by side): a
+forward runs at once on its caller's thread while a lane is free and nothing waits; past that
+it queues, and one batching thread runs everything queued as one forward as soon as a lane
+frees. No forward waits for others to come, so a lone client is not slowed. Client–server
+verifications use it directly (:class:`~moaspec.clientserver.sessions.SessionStore`); the
+OpenAI routes' decoders see the target through :class:`BatchedModel`.
 """
 
 from __future__ import annotations
@@ -37,30 +37,44 @@ class _Job:
 
 
 class ForwardBatcher:
-    """Runs the forwards that threads ask for (:meth:`forward`) on one thread of its own, those waiting together as one."""
+    """Runs the forwards that threads ask for (:meth:`forward`): each alone while the cores have room, those that
+    queue past that together as one."""
 
-    def __init__(self, model: Transformer, cores: Cores | None = None) -> None:
-        """``cores``: how the server shares its CPU; a batch runs on every core while nothing else runs."""
-        self.model, self.cores = model, cores
-        self.batches = self.forwards = 0  # for tests and logs: how well the forwards were batched
+    def __init__(self, model: Transformer, cores: Cores | None = None, lanes: int = 1) -> None:
+        """``cores``: how the server shares its CPU (a batch runs on every core while nothing else runs);
+        ``lanes``: how many forwards may run at once, each on its own thread (the cores over each one's share)."""
+        self.model, self.cores, self.lanes = model, cores, max(1, lanes)
+        self.forwards = self.runs = 0  # forwards asked for, and forwards run (alone or batched): how well they batched
         self._queue: list[_Job] = []
-        self._waiting = 0  # callers inside forward(): they count busy on the cores, but only wait for this thread
+        self._running = 0  # forwards running now: alone on their callers' threads, or the batch
+        self._waiting = 0  # callers whose forwards are queued or in the batch: busy on the cores, but only waiting
         self._wake = threading.Condition()
         threading.Thread(target=self._serve, name="moaspec-batcher", daemon=True).start()
 
     def forward(self, call: Call) -> ForwardOutput:
-        """What ``model(call.tokens, call.cache, ...)`` returns, computed with whatever other forwards are waiting.
+        """What ``model(call.tokens, call.cache, ...)`` returns: computed now if a lane is free, else in the next batch.
 
         A call that cannot run (its cache is full) is refused here, alone, before it could fail a batch.
         """
         T, cache = call.tokens.shape[1], call.cache
         if cache.length + T > cache.capacity:
             raise ValueError(f"cache overflow: {cache.length} cached + {T} new > capacity {cache.capacity}")
-        job = _Job(call)
         with self._wake:
-            self._queue.append(job)
-            self._waiting += 1
-            self._wake.notify()
+            self.forwards += 1
+            alone = self._running < self.lanes and not self._queue
+            if alone:
+                self._running += 1
+                self.runs += 1
+            else:
+                job = _Job(call)
+                self._queue.append(job)
+                self._waiting += 1
+                self._wake.notify_all()
+        if alone:
+            try:
+                return self.model(call.tokens, call.cache, call.positions, call.mask, call.logits_at)
+            finally:
+                self._free()
         job.done.wait()
         with self._wake:
             self._waiting -= 1
@@ -69,12 +83,19 @@ class ForwardBatcher:
         assert job.out is not None
         return job.out
 
+    def _free(self) -> None:
+        with self._wake:
+            self._running -= 1
+            self._wake.notify_all()
+
     def _serve(self) -> None:
         while True:
             with self._wake:
-                while not self._queue:
+                while not self._queue or self._running >= self.lanes:
                     self._wake.wait()
                 jobs, self._queue = self._queue, []
+                self._running += 1
+                self.runs += 1
                 waiting = self._waiting
             try:
                 with working(self.cores):
@@ -86,7 +107,8 @@ class ForwardBatcher:
             except BaseException as exc:  # handed to every caller of the batch; the thread serves on
                 for job in jobs:
                     job.error = exc
-            self.batches, self.forwards = self.batches + 1, self.forwards + len(jobs)
+            finally:
+                self._free()
             for job in jobs:
                 job.done.set()
 

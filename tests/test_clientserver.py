@@ -1083,7 +1083,7 @@ def test_sessions_verified_together_get_the_answers_they_get_alone(tiny_llama, d
     with ThreadPoolExecutor(6) as pool:
         got = list(pool.map(lambda k: client(together, k, True), range(6)))
     want = [client(alone, k, False) for k in range(6)]
-    assert batcher.forwards == 30 and batcher.batches < 30  # every verification's forward, some run together
+    assert batcher.forwards == 30 and batcher.runs < 30  # every verification's forward, some run together
     for g, w in zip(got, want):
         for a, b in zip(g[1:], w[1:]):
             assert {k: a[k] for k in ("accepted", "token", "verified", "path") if k in a} == \

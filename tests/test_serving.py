@@ -248,7 +248,7 @@ def test_requests_decoded_together_answer_as_alone(tiny_llama, monkeypatch) -> N
         finally:
             together.close(), alone.close()
         assert got == want
-        assert batcher.batches < batcher.forwards  # some requests' forwards ran together
+        assert batcher.runs < batcher.forwards  # some requests' forwards ran together
 
 
 def test_a_conversations_next_turn_reuses_its_prompt(tiny_llama) -> None:  # type: ignore[no-untyped-def]

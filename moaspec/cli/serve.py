@@ -34,9 +34,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "another --tli-layers (repeatable)")
     s.add_argument("--no-draft", action="store_true", help="plain decoding")
     s.add_argument("--no-batch", action="store_true",
-                   help="one target forward per request and step (default: the verifications of client–server "
-                        "sessions that wait at the same time run as one forward, and so do the decoding steps of the "
-                        "--parallel requests when they outnumber the cores)")
+                   help="one target forward per request and step (default: once the requests' decoding steps and "
+                        "client–server verifications outnumber the cores, those waiting run as one forward)")
     options.add_decoding_options(s)
     options.add_model_options(s, threads="the cores shared between the --parallel decoders, and all of them to a "
                                          "prompt read while nothing else runs; a number fixes every decoder's")
@@ -74,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
     from moaspec.drafters.moa import MoADrafter
 
     prompts = PromptCache(args.prompt_cache_mb << 20) if args.prompt_cache_mb else None
-    batcher = None if args.no_batch else ForwardBatcher(loaded.model, cores)
-    # requests run side by side on their own cores while there are cores enough; past that their forwards share
-    # one: 8 streaming clients, --parallel 8 on 2 cores, 62 tokens/s batched against 37; --parallel 2, 38 against 46
+    # forwards run side by side while the cores have room (two on two cores beat both as one), together past that
+    lanes = max(1, total // torch.get_num_threads()) if loaded.model.device.type == "cpu" else 1
+    batcher = None if args.no_batch else ForwardBatcher(loaded.model, cores, lanes)
     engine = Engine(loaded, options.strategy_for(args, loaded), parallel=args.parallel, max_queue=args.max_queue,
-                    prompt_cache=prompts, cores=cores, batcher=batcher if args.parallel > total else None)
+                    prompt_cache=prompts, cores=cores, batcher=batcher)
     moa = engine.strategy.drafter
     if moa is None and (path := args.drafter or shipped_drafter(loaded)):  # --no-draft: remote clients still draft
         moa = load_drafter(path, loaded)
