@@ -1,4 +1,5 @@
-"""The forward batcher's scheduling: alone while the cores have room, together past that (fake model, no torch work)."""
+"""The forward batcher's scheduling: alone while the cores have room, together past that, alone again once the crowd
+has gone (a fake model, no torch work)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_forwards_run_alone_while_lanes_are_free_and_together_past_them() -> Non
         assert [f.result(10) for f in first + rest] == ["alone 1", "alone 2", "together 3", "together 4", "together 5"]
     assert model.log[2:] == [("together", [3, 4, 5])]
     assert (batcher.forwards, batcher.runs) == (5, 3)
-    assert batcher.forward(call(6)) == "alone 6"  # all done: a lone forward runs at once again
+    assert batcher.forward(call(6)) == "together 6"  # after a crowded batch, the next one goes through the queue,
+    assert batcher.forward(call(7)) == "alone 7"  # and once a batch held one forward alone, forwards run at once again
 
 
 def test_a_failed_batch_fails_its_callers_alone_and_the_batcher_serves_on() -> None:
@@ -74,4 +76,5 @@ def test_a_failed_batch_fails_its_callers_alone_and_the_batcher_serves_on() -> N
                 f.result(10)
     with pytest.raises(ValueError, match="cache overflow"):  # refused before it could join (and fail) a batch
         batcher.forward(call(7, length=8))
-    assert batcher.forward(call(8)) == "alone 8"
+    model.fail = False
+    assert [batcher.forward(call(k)) for k in (8, 9)] == ["together 8", "alone 9"]  # it serves on
