@@ -60,9 +60,7 @@ class ForwardBatcher:
 
         A call that cannot run (its cache is full) is refused here, alone, before it could fail a batch.
         """
-        T, cache = call.tokens.shape[1], call.cache
-        if cache.length + T > cache.capacity:
-            raise ValueError(f"cache overflow: {cache.length} cached + {T} new > capacity {cache.capacity}")
+        call.cache.check_room(call.tokens.shape[1])
         with self._wake:
             self.forwards += 1
             alone = self._running < self.lanes and not self._queue and not self._crowded

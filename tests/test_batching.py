@@ -6,12 +6,12 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from moaspec.batching import ForwardBatcher
+from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Call
 
 
@@ -34,7 +34,9 @@ class FakeModel:
 
 
 def call(k: int, length: int = 0) -> Call:
-    return Call(torch.tensor([[k]]), SimpleNamespace(length=length, capacity=8))  # type: ignore[arg-type]
+    cache = KVCache(1, 1, 1, capacity=8)  # a real one, for its room check; the fake model writes nothing
+    cache.length = length
+    return Call(torch.tensor([[k]]), cache)
 
 
 def wait_for(condition) -> None:  # type: ignore[no-untyped-def]

@@ -59,6 +59,11 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def check_room(self, new: int) -> None:
+        """Refuse ``new`` positions that would not fit after the cached ones (before any of them is written)."""
+        if self.length + new > self.capacity:
+            raise ValueError(f"cache overflow: {self.length} cached + {new} new > capacity {self.capacity}")
+
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on (O(1): stale rows are overwritten later)."""
         if not 0 <= length <= self.length:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -136,18 +137,6 @@ class Attention(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        start: int,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return self.o(self.attend(self.qkv(x), cos, sin, k_cache, v_cache, start, mask))
-
     def attend(
         self,
         qkv: torch.Tensor,
@@ -159,8 +148,8 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """Attention of new tokens' fused ``qkv`` projection ``[B, T, q + 2 kv]`` over the cache and themselves, before
-        the output projection: ``[B, T, q_dim]``. Apart from :meth:`forward` so that several sequences' tokens can share
-        the projections (:meth:`Transformer.forward_many`) while each attends to its own cache."""
+        the output projection ``o``: ``[B, T, q_dim]``. Apart from the projections so that several sequences' tokens
+        can share them (:meth:`Transformer.forward_many`) while each attends to its own cache."""
         B, T, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
         q, k = q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_kv_heads, self.head_dim)
@@ -205,7 +194,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask):  # type: ignore[no-untyped-def]
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), cos, sin, k_cache, v_cache, start, mask)
+        return self.around(x, lambda qkv: self.attn.attend(qkv, cos, sin, k_cache, v_cache, start, mask))
+
+    def around(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The block on ``x`` given how its tokens attend: ``attend`` maps their fused qkv projection to attention
+        outputs (before ``o``). One body for :meth:`forward` (one cache) and :meth:`Transformer.forward_many`
+        (several sequences' tokens, each attending to its own cache)."""
+        x = x + self.attn.o(attend(self.attn.qkv(rms_norm(x, self.attn_norm, self.eps))))
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
 
 
@@ -368,8 +363,7 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         start = cache.length
-        if start + T > cache.capacity:
-            raise ValueError(f"cache overflow: {start} cached + {T} new > capacity {cache.capacity}")
+        cache.check_room(T)
         if positions is None:
             positions = torch.arange(start, start + T, device=tokens.device)
         step = max(T, 1) if mask is not None else prefill_chunk(tokens.device)
@@ -408,33 +402,28 @@ class Transformer(nn.Module):
         """
         if self.first_block:
             raise ValueError("forward_many runs whole models, not the last blocks alone")
-        parts = []  # per call: its first position, its new tokens' positions, cos/sin, and the attention mask
+        spans = []  # per call: its columns a..b of the joint batch, first position, cos/sin, and attention mask
         for c in calls:
             B, T = c.tokens.shape
             start = c.cache.length
             if B != 1:
                 raise ValueError(f"forward_many takes one sequence per call, got a batch of {B}")
-            if start + T > c.cache.capacity:
-                raise ValueError(f"cache overflow: {start} cached + {T} new > capacity {c.cache.capacity}")
+            c.cache.check_room(T)
             pos = torch.arange(start, start + T, device=c.tokens.device) if c.positions is None else c.positions
             mask = self._mask(c.mask, start, T, pos)
             mask = mask if mask is None else mask[None, None] if mask.dim() == 2 else mask[:, None]
-            parts.append((start, T, *self.rope(pos), mask))
-        bounds = torch.tensor([0] + [T for _, T, *_ in parts]).cumsum(0).tolist()
+            a = spans[-1][1] if spans else 0
+            spans.append((a, a + T, start, *self.rope(pos), mask))
         h = self.embed(torch.cat([c.tokens for c in calls], dim=1))
         for i, block in enumerate(self.blocks):
-            qkv = block.attn.qkv(rms_norm(h, block.attn_norm, block.eps))
-            y = torch.cat([block.attn.attend(qkv[:, a:b], cos, sin, c.cache.keys[i], c.cache.values[i], start, mask)
-                           for c, a, b, (start, _, cos, sin, mask) in zip(calls, bounds, bounds[1:], parts)], dim=1)
-            h = h + block.attn.o(y)
-            h = h + block.mlp(rms_norm(h, block.mlp_norm, block.eps))
+            h = block.around(h, partial(_attend_each, block.attn, i, calls, spans))
         hidden = self.final_norm(h)
-        pieces = [hidden[:, a:b] for a, b in zip(bounds, bounds[1:])]
+        pieces = [hidden[:, a:b] for a, b, *_ in spans]
         selected = [p if c.logits_at is None else p[:, c.logits_at] for c, p in zip(calls, pieces)]
         logits = self.lm_head(torch.cat(selected, dim=1)).split([s.shape[1] for s in selected], dim=1)
         outs = []
-        for c, (start, T, *_), piece, lg in zip(calls, parts, pieces, logits):
-            c.cache.length = start + T
+        for c, (a, b, start, *_), piece, lg in zip(calls, spans, pieces, logits):
+            c.cache.length = start + b - a
             outs.append(ForwardOutput(logits=lg, hidden=piece, start=start))
         return outs
 
@@ -447,6 +436,14 @@ class Transformer(nn.Module):
         if mask is not None and window:
             mask = apply_sliding_window(mask, positions, start, window)
         return mask
+
+
+def _attend_each(attn: Attention, layer: int, calls: Sequence[Call], spans: Sequence[tuple[Any, ...]],
+                 qkv: torch.Tensor) -> torch.Tensor:
+    """:meth:`Transformer.forward_many`'s attention in block ``layer``: each call's columns of the joint ``qkv``
+    attend to its own cache, with its own positions and mask."""
+    return torch.cat([attn.attend(qkv[:, a:b], cos, sin, c.cache.keys[layer], c.cache.values[layer], start, mask)
+                      for c, (a, b, start, cos, sin, mask) in zip(calls, spans)], dim=1)
 
 
 # New tokens per block pass in a causal forward, by device type. On this CPU (2 cores, SmolLM2) an
