@@ -147,14 +147,16 @@ class SpeculativeModel:
 
     def generate(self, prompt: Prompt, *, system: str | None = None, raw: bool = False, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: str | Sequence[str] = (), on_text: TextCallback | None = None,
+                 stop: str | Sequence[str] = (), logprobs: int | None = None, on_text: TextCallback | None = None,
                  on_piece: PieceCallback | None = None,
                  on_prefill: ChunkCallback | None = None,
                  prompt_cache: PromptCache | None = None) -> GenerationResult:
         """One assistant turn for ``prompt`` (see :func:`encode_prompt`).
 
         Greedy at ``temperature`` 0: the text is exactly what the target alone would write. Sampling keeps
-        the target's distribution; ``seed`` repeats a sample. ``on_text`` receives the text as it is
+        the target's distribution; ``seed`` repeats a sample. ``logprobs`` (0-20) fills the result's ``logprobs``:
+        each token's log-probability under the target and that many most likely tokens at its position (the
+        target's own distribution, before temperature and top-k/top-p). ``on_text`` receives the text as it is
         decoded, ``on_piece`` the same with whether it came from accepted drafts; ``on_prefill`` gets
         (prompt tokens read, prompt tokens) as a long prompt is read, chunk by chunk, and may raise to
         abandon the generation there. With a ``prompt_cache`` (``moaspec.PromptCache(max_bytes)``, yours to keep
@@ -165,7 +167,7 @@ class SpeculativeModel:
         ids = encode_prompt(self.target, prompt, system, raw)
         config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=SamplingParams(temperature, top_k, top_p, seed),
-                                  stop=(stop,) if isinstance(stop, str) else stop)
+                                  stop=(stop,) if isinstance(stop, str) else stop, logprobs=logprobs)
         return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece, prefill=Prefill(on_prefill, prompt_cache))
 
     def __repr__(self) -> str:

@@ -34,6 +34,19 @@ def test_generate_json(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     assert {"text", "finish_reason", "tokens_per_s", "total_s", "prefill_s", "target_calls"} <= out.keys()
 
 
+def test_generate_json_with_logprobs(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli("generate", "The quick brown", "--model", str(tiny_dirs["llama"]), "--json", "--max-new-tokens", "6",
+                   "--logprobs", "2", "--chain", "3")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out["logprobs"]) == out["new_tokens"]
+    for entry in out["logprobs"]:  # greedy: each token is the most likely of its position
+        assert entry["logprob"] <= 0 and [t["bytes"] for t in entry["top_logprobs"]][0] == entry["bytes"]
+        assert len(entry["top_logprobs"]) == 2
+    assert "logprobs" not in json.loads(run_cli("generate", "The quick brown", "--model", str(tiny_dirs["llama"]),
+                                                "--json", "--max-new-tokens", "2").stdout)
+
+
 def test_generate_with_prompt_lookup_alone_matches_plain_decoding(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     common = ("--model", str(tiny_dirs["llama"]), "--max-new-tokens", "24", "--json", "--no-draft")
     plain = json.loads(run_cli("generate", "the the the", *common).stdout)
@@ -165,7 +178,8 @@ def test_damaged_model_directory(tiny_dirs, tmp_path: Path, damage: str) -> None
 
 
 @pytest.mark.parametrize("opts,fragment", [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"),
-                                           (["--max-new-tokens", "0"], "max_new_tokens"), (["--lookup", "-2"], "--lookup")])
+                                           (["--max-new-tokens", "0"], "max_new_tokens"), (["--lookup", "-2"], "--lookup"),
+                                           (["--logprobs", "2"], "--json"), (["--json", "--logprobs", "21"], "logprobs")])
 def test_bad_options(tiny_dirs, opts, fragment) -> None:  # type: ignore[no-untyped-def]
     assert_one_line_error(run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), *opts), fragment)
 

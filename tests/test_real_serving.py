@@ -81,3 +81,19 @@ def test_chat_page_streams_and_colours_accepted_drafts(server: str, real_model) 
     assert page["coloured"] and page["draftColour"] != page["plainColour"]
     assert "τ" in page["stats"] and "target calls" in page["stats"]
     assert (reading, stopped) == ("reading the prompt…", "stopped")
+
+
+def test_logprobs_with_the_shipped_drafter_are_the_targets_own(server: str, real_model) -> None:  # type: ignore[no-untyped-def]
+    """Over the real tokenizer (whose tokens split characters like "—" and "é") and the shipped drafter's trees."""
+    prompt = "Translate to French, then explain the accents: 'The café — near the lake — is open.'"
+    msgs = [{"role": "user", "content": prompt}]
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    resp = client.chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=48,
+                                          logprobs=True, top_logprobs=1)
+    content = resp.choices[0].logprobs.content
+    ids = encode_chat(real_model.tokenizer, chat_messages(prompt))
+    plain = generate(real_model.model, real_model.tokenizer, ids, GenerationConfig(max_new_tokens=48, logprobs=0))
+    assert resp.model_extra["moaspec"]["tau"] > 1
+    assert b"".join(bytes(e.bytes) for e in content).decode() == resp.choices[0].message.content == plain.text
+    assert [e.logprob for e in content] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-3)
+    assert all(e.top_logprobs[0].token == e.token for e in content)  # greedy: each token is the most likely

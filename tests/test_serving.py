@@ -110,6 +110,53 @@ def test_sampling_is_reproducible_with_a_seed_and_stop_strings_cut(client) -> No
     assert stop not in cut.choices[0].message.content and full.startswith(cut.choices[0].message.content)
 
 
+def target_logprobs(loaded, ids: list[int], answer: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
+    """The target's log-probability of each answer token, from one forward over prompt and answer."""
+    seq = ids + answer
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([seq]), loaded.model.new_cache(len(seq))).logits[0]
+    logp = torch.log_softmax(logits[len(ids) - 1 : len(seq) - 1].float(), dim=-1)
+    return [float(logp[i, t]) for i, t in enumerate(answer)]
+
+
+def test_chat_logprobs_are_the_targets_own_streamed_or_not(client, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20, logprobs=True, top_logprobs=2)
+    resp = client.chat.completions.create(**kwargs)
+    content = resp.choices[0].logprobs.content
+    want = vanilla(tiny_llama, encode_chat(tiny_llama.tokenizer, MESSAGES), 20)
+    assert len(content) == resp.usage.completion_tokens == want.new_tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == resp.choices[0].message.content
+    ref = target_logprobs(tiny_llama, encode_chat(tiny_llama.tokenizer, MESSAGES), want.token_ids)
+    assert [e.logprob for e in content] == pytest.approx(ref, abs=1e-4)
+    for e in content:  # greedy: the chosen token is the most likely one, and bytes spell the token
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob and e.top_logprobs[0].bytes == e.bytes
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4).choices[0].logprobs is None
+
+
+def test_completions_logprobs_in_the_legacy_shape(client, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    ids = encode_text(tiny_llama.tokenizer, "The quick brown fox")
+    resp = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=12, logprobs=2)
+    lp = resp.choices[0].logprobs
+    want = vanilla(tiny_llama, ids, 12)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == want.new_tokens
+    assert lp.token_logprobs == pytest.approx(target_logprobs(tiny_llama, ids, want.token_ids), abs=1e-4)
+    text = resp.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for tok, offset in zip(lp.tokens, lp.text_offset):  # whole tokens sit at their offsets; parts of a character
+        assert tok.startswith("bytes:") or text[offset: offset + len(tok)] == tok  # are named by their bytes
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == logprob and 1 <= len(top) <= 3  # the top 2, and the chosen token among them
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=12, logprobs=2,
+                                            stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+
+
 def test_models_and_unknown_model(client) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -133,6 +180,9 @@ def test_authentication(server: str) -> None:
     ({"max_tokens": 0}, "max_tokens"),
     ({"n": 2}, "n"),
     ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 1}, "logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"messages": []}, "messages"),
@@ -284,7 +334,7 @@ class Controlled:
     def describe(self) -> str:
         return "controlled"
 
-    def run(self, target, prompt_ids, config, on_text=None, on_piece=None, prefill=None):  # type: ignore[no-untyped-def]
+    def run(self, target, prompt_ids, config, on_text=None, on_piece=None, prefill=None, on_logprobs=None):  # type: ignore[no-untyped-def]
         self.started.release()
         try:
             while not self.release.wait(0.01):

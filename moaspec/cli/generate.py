@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument("--messages", default=None, help="JSON file with a list of {role, content} messages (multi-turn)")
     g.add_argument("--raw", action="store_true", help="plain completion of the prompt text, no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, tau, timings) instead of streaming")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability under the target and the K (0-20) most likely "
+                        "tokens at its position, as OpenAI's chat API gives them")
     g.add_argument("--chat", action="store_true",
                    help="a conversation: after each answer, read the next message from stdin (/reset starts over, "
                         "/exit or end of input ends it); each turn reads only what is new of the conversation")
@@ -51,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat and (args.json or args.raw):
         raise MoaspecError("--chat streams a conversation in the chat template: not with --json or --raw")
+    if args.logprobs is not None and not args.json:
+        raise MoaspecError("--logprobs adds each token's log-probability to --json's output: give --json too")
     if messages is None and not (args.chat and prompt is None):
         if prompt == "-":
             prompt = read_stdin()
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
         stop=tuple(args.stop),
+        logprobs=args.logprobs,
     )
     loaded = options.load_target(args)
     if args.chat:  # a prompt cache keeps what each turn read and wrote: the next reads only the new message
@@ -85,8 +91,12 @@ def run(args: argparse.Namespace) -> int:
                           on_piece=coloured if args.show_drafts and not args.json else None,
                           prefill=Prefill(None if args.json else _prefill_bar(len(ids))))
     if args.json:
-        print(json.dumps({**result.to_dict(), "decoding": strategy.describe(), "tuned_from": strategy.tuned_from},
-                         ensure_ascii=False))
+        out = {**result.to_dict(), "decoding": strategy.describe(), "tuned_from": strategy.tuned_from}
+        if result.logprobs is not None:
+            from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
+
+            out["logprobs"] = (LogprobFormat(TokenBytes(loaded.tokenizer), chat=True)(result.logprobs) or {}).get("content", [])
+        print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         if result.finish_reason == "length" and result.new_tokens < config.max_new_tokens:

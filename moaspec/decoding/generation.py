@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.errors import MoaspecError
@@ -12,6 +14,23 @@ from moaspec.validation import whole_number
 
 TextCallback = Callable[[str], None]
 PieceCallback = Callable[[str, bool], None]  # (text, whether it came from accepted drafts)
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target, and the ``top`` most likely tokens at its position.
+
+    The target's own distribution (log-softmax of its logits, before temperature, top-k or top-p), so it
+    is the same whichever drafter proposed the token, and the same as plain decoding reports.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+
+
+LogprobCallback = Callable[[Sequence[TokenLogprob]], None]  # the entries of the text about to be emitted
 
 
 @dataclass(frozen=True)
@@ -22,10 +41,14 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely tokens
 
     def __post_init__(self) -> None:
         if not (whole_number(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise MoaspecError(f"max_new_tokens must be a whole number >= 1, got {self.max_new_tokens!r}")
+        if self.logprobs is not None and not (whole_number(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise MoaspecError(f"logprobs must be a whole number in 0..{MAX_TOP_LOGPROBS} (alternatives per token) "
+                               f"or None, got {self.logprobs!r}")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
             raise MoaspecError(f"stop must be a list or tuple of strings, got {self.stop!r}")
 
@@ -44,6 +67,7 @@ class GenerationResult:
     accepted_lengths: list[int] = field(default_factory=list)  # tokens added per target call
     draft_s: float = 0.0  # time in the drafter (speculative decoders): proposing, and taking in verified tokens
     reused_prompt_tokens: int = 0  # leading prompt tokens whose K/V came from a PromptCache instead of a forward
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the config asked for them
 
     @property
     def new_tokens(self) -> int:
@@ -88,16 +112,24 @@ class TokenSink:
 
     Speculative decoders add several tokens per step; the sink keeps only those before
     the first stop condition, so every decoder ends exactly where vanilla decoding would.
+    When the config asks for log-probabilities, each push brings the target's logits
+    for the pushed tokens, and the sink keeps an entry for each token it keeps.
     """
 
     def __init__(self, tokenizer: object, config: GenerationConfig, eos: set[int], budget: int,
-                 on_text: TextCallback | None, on_piece: PieceCallback | None = None) -> None:
+                 on_text: TextCallback | None, on_piece: PieceCallback | None = None,
+                 on_logprobs: LogprobCallback | None = None) -> None:
+        """``on_logprobs`` receives, just before each piece of text, the entries of the tokens it came from."""
         self.eos = set() if config.ignore_eos else eos
         self.budget = budget
         self.detok = Detokenizer(tokenizer, config.stop)
         self.on_text = on_text
         self.on_piece = on_piece
+        self.on_logprobs = on_logprobs
+        self.top = config.logprobs
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if config.logprobs is None else []
+        self._told = 0  # entries handed to on_logprobs so far
         self.finish: str | None = None
 
     @property
@@ -105,21 +137,44 @@ class TokenSink:
         return self.finish is not None
 
     def _emit(self, text: str, drafted: bool) -> None:
+        if text and self.on_logprobs and self.logprobs is not None:
+            self.on_logprobs(self.logprobs[self._told:])
+            self._told = len(self.logprobs)
         if text and self.on_piece:
             self.on_piece(text, drafted)
         elif text and self.on_text:
             self.on_text(text)
 
-    def push(self, new: Sequence[int], drafted: int = 0) -> bool:
+    def _entries(self, new: Sequence[int], scores: torch.Tensor | None) -> list[TokenLogprob]:
+        """Log-probability entries for ``new`` from ``scores`` (logits ``[len(new), V]``), or none when not asked."""
+        if self.top is None:
+            return []
+        if scores is None or scores.shape[0] < len(new):
+            raise ValueError("log-probabilities were asked for, and this decoder did not give the logits of its tokens")
+        logp = torch.log_softmax(scores[: len(new)].float(), dim=-1)
+        chosen = logp.gather(-1, torch.tensor(list(new), device=logp.device)[:, None])[:, 0].tolist()
+        if self.top:
+            values, ids = logp.topk(self.top, dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            tops = [()] * len(new)
+        return [TokenLogprob(t, lp, top) for t, lp, top in zip(new, chosen, tops)]
+
+    def push(self, new: Sequence[int], drafted: int = 0, scores: torch.Tensor | None = None) -> bool:
         """Append tokens until one stops generation; return True once generation is over.
 
-        The first ``drafted`` of ``new`` are accepted drafts (for ``on_piece``'s colouring).
+        The first ``drafted`` of ``new`` are accepted drafts (for ``on_piece``'s colouring);
+        row ``i`` of ``scores`` holds the target's logits at the position of ``new[i]``
+        (needed only when the config asks for log-probabilities).
         """
+        entries = self._entries(new, scores)
         for i, tok in enumerate(new):
             if tok in self.eos:
                 self.finish = "eos"
                 break
             self.tokens.append(tok)
+            if self.logprobs is not None:
+                self.logprobs.append(entries[i])
             self._emit(self.detok.push([tok]), i < drafted)
             if self.detok.stopped:
                 self.finish = "stop"

@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from moaspec.chat import check_fits
-from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback, TokenSink
+from moaspec.decoding.generation import (
+    GenerationConfig,
+    GenerationResult,
+    LogprobCallback,
+    PieceCallback,
+    TextCallback,
+    TokenSink,
+)
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import Proposer, Resumable
 from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
@@ -78,12 +85,13 @@ class Run:
             token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish, prompt_tokens=self.prompt_tokens,
             prefill_s=self.prefill_s, total_s=time.perf_counter() - self.t0, target_calls=len(self.accepted),
             accepted_lengths=self.accepted, draft_s=self.draft_s, reused_prompt_tokens=self.reused_prompt_tokens,
+            logprobs=self.sink.logprobs,
         )
 
 
 def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_ids: Sequence[int],
           config: GenerationConfig, room: int, on_text: TextCallback | None, on_piece: PieceCallback | None,
-          prefill: Prefill = Prefill()) -> Run:
+          prefill: Prefill = Prefill(), on_logprobs: LogprobCallback | None = None) -> Run:
     """Check the prompt, read it (as ``prefill`` says), pick the first token, and start the proposer.
 
     ``room`` is how many positions past the budget a verification may write.
@@ -92,7 +100,7 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     check_fits(len(prompt_ids), context)
     budget = min(config.max_new_tokens, context - len(prompt_ids))
     cache = model.new_cache(min(len(prompt_ids) + budget + room, context))
-    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece)
+    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece, on_logprobs)
     gen = config.sampling.generator(model.device)
     t0 = time.perf_counter()
     logits, hidden, reused = prefill(model, prompt_ids, cache)
@@ -100,7 +108,7 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     resumable = proposer if prefill.reuse is not None and isinstance(proposer, Resumable) else None
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
               prefill, [hidden], reused, resumable)
-    if not sink.push(tokens[-1:]):
+    if not sink.push(tokens[-1:], scores=logits[None]):
         with prefill.reading():
             if resumable is not None:
                 resumable.begin(cache, hidden, prefill.known(resumable, prompt_ids[:reused]))
@@ -119,13 +127,15 @@ def generate_chain(
     on_text: TextCallback | None = None,
     on_piece: PieceCallback | None = None,
     prefill: Prefill = Prefill(),
+    on_logprobs: LogprobCallback | None = None,
 ) -> GenerationResult:
     """Decode with chains of ``draft_len`` drafts per target forward.
 
     ``on_text`` streams the text; ``on_piece`` instead receives each piece with whether
-    it came from accepted drafts (``--show-drafts``); ``prefill`` says how the prompt is read.
+    it came from accepted drafts (``--show-drafts``); ``prefill`` says how the prompt is read;
+    ``on_logprobs`` receives each piece's log-probability entries before it (with ``config.logprobs``).
     """
-    run = start(model, tokenizer, proposer, prompt_ids, config, draft_len + 1, on_text, on_piece, prefill)
+    run = start(model, tokenizer, proposer, prompt_ids, config, draft_len + 1, on_text, on_piece, prefill, on_logprobs)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
     context = model.cfg.max_position_embeddings
     while not run.sink.done:
@@ -144,7 +154,7 @@ def generate_chain(
         run.verified(out.hidden[0, : len(new)])
         tokens += new
         run.accepted.append(len(new))
-        if not run.sink.push(new, drafted=verdict.accepted):
+        if not run.sink.push(new, drafted=verdict.accepted, scores=out.logits[0, : len(new)]):
             with run.drafting():
                 proposer.commit(cache.length, hidden=out.hidden[0, : len(new)])
     return run.result()

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, LogprobCallback, PieceCallback, TextCallback
 from moaspec.decoding.lookup import LookupProposer
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import check_confidence
@@ -69,15 +69,16 @@ class Strategy:
 
     def run(self, target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
             on_text: TextCallback | None = None, on_piece: PieceCallback | None = None,
-            prefill: Prefill = Prefill()) -> GenerationResult:
+            prefill: Prefill = Prefill(), on_logprobs: LogprobCallback | None = None) -> GenerationResult:
         """Generate one assistant turn; ``on_piece`` gets (text, came-from-accepted-drafts); ``prefill`` says how
-        the prompt is read (told chunk by chunk; reusing recent prompts' K/V)."""
+        the prompt is read (told chunk by chunk; reusing recent prompts' K/V); ``on_logprobs`` gets each piece's
+        log-probability entries just before it (when ``config.logprobs`` asks for them)."""
         model, tok = target.model, target.tokenizer
         if self.drafter is None and not self.lookup:
             if on_piece is not None:
                 piece = on_piece
                 on_text = lambda text: piece(text, False)  # noqa: E731
-            return generate(model, tok, prompt_ids, config, on_text=on_text, prefill=prefill)
+            return generate(model, tok, prompt_ids, config, on_text=on_text, prefill=prefill, on_logprobs=on_logprobs)
         from moaspec.drafters.proposers import proposer_for
 
         proposer: Any = proposer_for(self.drafter, self.confidence) if self.drafter is not None else None
@@ -86,6 +87,6 @@ class Strategy:
                                       min_ngram=self.lookup_min_ngram)
         if self.tree is not None:
             return generate_tree(model, tok, proposer, prompt_ids, config, self.tree, on_text=on_text, on_piece=on_piece,
-                                 prefill=prefill)
+                                 prefill=prefill, on_logprobs=on_logprobs)
         return generate_chain(model, tok, proposer, prompt_ids, config, draft_len=max(self.chain, self.lookup),
-                              on_text=on_text, on_piece=on_piece, prefill=prefill)
+                              on_text=on_text, on_piece=on_piece, prefill=prefill, on_logprobs=on_logprobs)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, LogprobCallback, PieceCallback, TextCallback
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.sampling import probabilities
 from moaspec.decoding.speculative import start
@@ -117,11 +117,12 @@ def generate_tree(
     on_text: TextCallback | None = None,
     on_piece: PieceCallback | None = None,
     prefill: Prefill = Prefill(),
+    on_logprobs: LogprobCallback | None = None,
 ) -> GenerationResult:
     """Decode with one draft tree per target forward (callbacks as :func:`generate_chain`'s)."""
     # room for the verified tree, and for the expanded nodes a drafter with TLI writes into the cache
     room = max(shape.total, 1 + shape.depth * shape.top_k) + 1
-    run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece, prefill)
+    run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece, prefill, on_logprobs)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
     while not run.sink.done:
         n = cache.length
@@ -132,13 +133,13 @@ def generate_tree(
         out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device), mask=mask)
         scores = out.logits[0] if params.greedy else probabilities(out.logits[0], params)
         path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
-        kept = torch.tensor([0] + path)
+        kept = torch.tensor([0] + path, device=out.logits.device)  # the root and the path: each scores the next token
         cache.compact(n, kept)
-        run.verified(out.hidden[0, kept.to(out.hidden.device)])
+        run.verified(out.hidden[0, kept])
         new = [int(tree.tokens[i]) for i in path] + [nxt]
         tokens += new
         run.accepted.append(len(new))
-        if not run.sink.push(new, drafted=len(path)):
+        if not run.sink.push(new, drafted=len(path), scores=out.logits[0, kept]):
             with run.drafting():
-                proposer.commit(cache.length, path, out.hidden[0, kept.to(out.hidden.device)])
+                proposer.commit(cache.length, path, out.hidden[0, kept])
     return run.result()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from moaspec.chat import check_fits
-from moaspec.decoding.generation import GenerationConfig, GenerationResult, TextCallback, TokenSink
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, LogprobCallback, TextCallback, TokenSink
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.sampling import select_token
 from moaspec.models.transformer import Transformer
@@ -35,20 +35,21 @@ def generate(
     config: GenerationConfig = GenerationConfig(),
     on_text: TextCallback | None = None,
     prefill: Prefill = Prefill(),
+    on_logprobs: LogprobCallback | None = None,
 ) -> GenerationResult:
     """Decode greedily or by sampling until EOS, a stop string, or ``max_new_tokens``; ``prefill`` says how
     the prompt is read (told chunk by chunk, reusing a :class:`~moaspec.decoding.prefill.PromptCache`)."""
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
     budget = min(config.max_new_tokens, context - len(prompt_ids))
-    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text)
+    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_logprobs=on_logprobs)
     gen = config.sampling.generator(model.device)
     cache = model.new_cache(len(prompt_ids) + budget)
     t0 = time.perf_counter()
     logits, hidden, reused = prefill(model, prompt_ids, cache)
     prefill_s = time.perf_counter() - t0
     calls, states = 0, [hidden]
-    while not sink.push([select_token(logits, config.sampling, gen)]):
+    while not sink.push([select_token(logits, config.sampling, gen)], scores=logits[None]):
         out = model(torch.tensor([[sink.tokens[-1]]], device=model.device), cache)
         logits = out.logits[0, -1]
         if prefill.reuse is not None:  # kept only for a prompt cache to store
@@ -59,5 +60,5 @@ def generate(
     return GenerationResult(
         token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
         prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=calls,
-        accepted_lengths=[1] * calls, reused_prompt_tokens=reused,
+        accepted_lengths=[1] * calls, reused_prompt_tokens=reused, logprobs=sink.logprobs,
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from moaspec.batching import BatchedModel, ForwardBatcher
 from moaspec.cores import Cores, prefill_threads, working
-from moaspec.decoding.generation import GenerationConfig, GenerationResult
+from moaspec.decoding.generation import GenerationConfig, GenerationResult, TokenLogprob
 from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.strategy import Strategy
 from moaspec.errors import MoaspecError
@@ -41,10 +41,11 @@ class _Cancelled(Exception):
 
 @dataclass(frozen=True)
 class Piece:
-    """A run of generated text, and whether it came from accepted drafts."""
+    """A run of generated text, whether it came from accepted drafts, and its tokens' log-probabilities (when asked)."""
 
     text: str
     drafted: bool
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Engine:
@@ -109,16 +110,23 @@ class Engine:
             if cancel.is_set():
                 raise _Cancelled
 
+        told: list[TokenLogprob] = []  # the next piece's entries
+
+        def on_logprobs(entries: Sequence[TokenLogprob]) -> None:
+            told.extend(entries)
+
         def on_piece(text: str, drafted: bool) -> None:
             check()
-            deliver(Piece(text, drafted))
+            deliver(Piece(text, drafted, tuple(told)))
+            told.clear()
 
         def work() -> None:
             try:
                 if not cancel.is_set():
                     with working(self.cores):
                         prefill = Prefill(check, self.prompt_cache, prefill_threads(self.cores))
-                        deliver(self.strategy.run(self._runs_on, prompt_ids, config, on_piece=on_piece, prefill=prefill))
+                        deliver(self.strategy.run(self._runs_on, prompt_ids, config, on_piece=on_piece, prefill=prefill,
+                                                  on_logprobs=on_logprobs))
             except _Cancelled:
                 pass
             except BaseException as exc:  # handed to the request; the worker lives on

@@ -5,8 +5,10 @@ curl scripts and other OpenAI clients work unchanged; streaming uses server-sent
 events ending with ``data: [DONE]``. Each response also carries a ``moaspec`` object
 (τ, target calls, drafted tokens; per streamed chunk, whether its text came from
 accepted drafts) that standard clients ignore. Defaults are OpenAI's: temperature 1,
-top_p 1. Parameters moaspec cannot honour (``n`` > 1, penalties, logprobs) are refused
-with a 400 rather than silently ignored.
+top_p 1. Log-probabilities (chat: ``logprobs``/``top_logprobs``; completions: ``logprobs``)
+are the target's own, before temperature and top_p, so drafting does not change them.
+Parameters moaspec cannot honour (``n`` > 1, penalties, ``echo``) are refused with a
+400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, Literal
 
@@ -23,7 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from moaspec.chat import encode_chat, encode_text, outside_vocabulary
-from moaspec.decoding.generation import GenerationConfig, GenerationResult
+from moaspec.decoding.generation import MAX_TOP_LOGPROBS, GenerationConfig, GenerationResult, TokenLogprob
+from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.errors import MoaspecError
 from moaspec.serving.disconnect import unless_disconnected
@@ -69,7 +72,6 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
-    logprobs: Literal[False] | None = None
     user: str | None = None
 
     def stops(self) -> tuple[str, ...]:
@@ -82,12 +84,22 @@ class _Common(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def alternatives(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[StrictInt]
     echo: Literal[False] = False
-    logprobs: Literal[0] | None = None  # type: ignore[assignment]  # the completions API's logprobs is an int
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the completions API's is a count
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
 
 def _usage(result: GenerationResult) -> dict[str, Any]:
@@ -117,6 +129,7 @@ class OpenAIRoutes:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
+        self.token_bytes = TokenBytes(engine.target.tokenizer)
 
     def router(self) -> APIRouter:
         r = APIRouter(prefix="/v1")
@@ -146,7 +159,7 @@ class OpenAIRoutes:
 
     # --- generation ---------------------------------------------------------------------
 
-    def _config(self, req: _Common, prompt_len: int, max_tokens: int | None) -> GenerationConfig:
+    def _config(self, req: ChatRequest | CompletionRequest, prompt_len: int, max_tokens: int | None) -> GenerationConfig:
         context = self.engine.context
         if prompt_len >= context:
             raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
@@ -159,7 +172,7 @@ class OpenAIRoutes:
                            param="max_tokens", code="context_length_exceeded")
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
         return GenerationConfig(max_new_tokens=max_tokens or min(self.default_max_tokens, room), sampling=sampling,
-                                stop=req.stops())
+                                stop=req.stops(), logprobs=req.alternatives())
 
     def _encode(self, fn: Callable[[], list[int]], param: str) -> list[int]:
         try:
@@ -193,6 +206,7 @@ class OpenAIRoutes:
         return await self._respond(req, request, ids, config, chat=False)
 
     async def _respond(self, req: _Common, request: Request, ids: list[int], config: GenerationConfig, chat: bool) -> Any:
+        logprobs = None if config.logprobs is None else LogprobFormat(self.token_bytes, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name}
@@ -201,10 +215,11 @@ class OpenAIRoutes:
             # admission errors (503) still become a proper response; a client that leaves during a long
             # prefill, before the response has begun, is noticed here (later, by the streaming response)
             first = await unless_disconnected(anext(stream), request)
-            return StreamingResponse(self._events(head, first, stream, chat, req), media_type="text/event-stream",
+            return StreamingResponse(self._events(head, first, stream, chat, req, logprobs), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         result, pieces = await unless_disconnected(self._collect(stream), request)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": FINISH[result.finish_reason]}
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs(result.logprobs or []) if logprobs else None,
+                                  "finish_reason": FINISH[result.finish_reason]}
         if chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
@@ -224,15 +239,20 @@ class OpenAIRoutes:
         raise RuntimeError("generation ended without a result")
 
     async def _events(self, head: dict[str, Any], first: Piece | GenerationResult,
-                      stream: AsyncIterator[Piece | GenerationResult], chat: bool, req: _Common) -> AsyncIterator[bytes]:
+                      stream: AsyncIterator[Piece | GenerationResult], chat: bool, req: _Common,
+                      logprobs: LogprobFormat | None) -> AsyncIterator[bytes]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        told = 0  # log-probability entries sent so far
 
-        def chunk(text: str | None, finish: str | None, **extra: Any) -> dict[str, Any]:
+        def chunk(text: str | None, finish: str | None, entries: Sequence[TokenLogprob], **extra: Any) -> dict[str, Any]:
+            nonlocal told
+            told += len(entries)
+            lp = logprobs(entries) if logprobs else None
             if chat:
                 delta = {} if text is None else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return {**head, "choices": [choice], **extra}
 
         if chat:
@@ -245,10 +265,11 @@ class OpenAIRoutes:
                 if isinstance(item, GenerationResult):
                     break
                 pieces.append(item)
-                yield _sse(chunk(item.text, None, moaspec={"drafted": item.drafted}))
+                yield _sse(chunk(item.text, None, item.logprobs, moaspec={"drafted": item.drafted}))
                 item = await anext(stream)
         result = item
-        yield _sse(chunk(None, FINISH[result.finish_reason],
+        # the entries of tokens whose text never came out (held back as a possible stop string) end the stream
+        yield _sse(chunk(None, FINISH[result.finish_reason], (result.logprobs or [])[told:],
                          moaspec=_stats(result, pieces, self.engine.strategy.describe())))
         if req.stream_options and req.stream_options.include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(result)})
