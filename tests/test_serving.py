@@ -157,6 +157,29 @@ def test_completions_logprobs_in_the_legacy_shape(client, tiny_llama) -> None:  
     assert [o for p in parts for o in p.text_offset] == lp.text_offset
 
 
+def test_n_choices_are_n_generations_streamed_or_not(client, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0.9, max_tokens=16, seed=5)
+    resp = client.chat.completions.create(**kwargs, n=3)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(**{**kwargs, "seed": 5 + i}) for i in range(3)]
+    assert [c.message.content for c in resp.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in resp.choices}) > 1  # other seeds, other samples
+    assert resp.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert resp.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert resp.model_extra["moaspec"]["target_calls"] == sum(a.model_extra["moaspec"]["target_calls"] for a in alone)
+    chunks = list(client.chat.completions.create(**kwargs, n=3, stream=True, stream_options={"include_usage": True}))
+    texts, finished = ["", "", ""], []
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.append(choice.index)
+    assert texts == [c.message.content for c in resp.choices] and sorted(finished) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
+    greedy = client.completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=8, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text  # greedy choices are the target's one answer
+
+
 def test_models_and_unknown_model(client) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -178,7 +201,8 @@ def test_authentication(server: str) -> None:
     ({"temperature": 5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 11}, "n"),
     ({"presence_penalty": 1.0}, "presence_penalty"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -373,6 +397,30 @@ def test_over_capacity_gets_503_and_a_vanished_client_is_cancelled(tiny_llama) -
                 ok = http.post("/v1/chat/completions", json={**body, "stream": False})
                 assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].endswith("done")
     finally:  # a failed check must not leave the worker ticking (pytest would wait for it at exit)
+        strategy.release.set()
+        engine.close()
+
+
+def test_n_choices_are_admitted_together_or_not_at_all(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    strategy = Controlled()
+    engine = Engine(tiny_llama, strategy, parallel=1, max_queue=1)  # type: ignore[arg-type]
+    body = {"model": MODEL, "messages": MESSAGES}
+    try:
+        with running(create_app(engine, MODEL)) as url:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as first:
+                    lines = first.iter_lines()
+                    next(lines)
+                    assert strategy.started.acquire(timeout=10)
+                    many = http.post("/v1/chat/completions", json={**body, "n": 2})  # one place free, two needed
+                    assert many.status_code == 503 and "capacity" in many.json()["error"]["message"]
+                    assert engine.load == {"running": 1, "waiting": 0, "capacity": 2}  # nothing of it stayed
+                    strategy.release.set()
+                    list(lines)
+                ok = http.post("/v1/chat/completions", json={**body, "n": 2}).json()
+                assert [c["message"]["content"] for c in ok["choices"]] == ["done", "done"]
+                assert ok["usage"]["completion_tokens"] == 2
+    finally:
         strategy.release.set()
         engine.close()
 

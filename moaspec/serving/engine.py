@@ -19,6 +19,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from moaspec.batching import BatchedModel, ForwardBatcher
@@ -81,12 +82,12 @@ class Engine:
         return {"running": min(admitted, self.parallel), "waiting": max(0, admitted - self.parallel),
                 "capacity": self.capacity}
 
-    def _admit(self) -> None:
+    def _admit(self, n: int) -> None:
         with self._lock:
-            if self._admitted >= self.capacity:
+            if self._admitted + n > self.capacity:
                 raise Overloaded(f"the server is at capacity ({self.parallel} decoding, "
                                  f"{self.capacity - self.parallel} waiting); retry shortly")
-            self._admitted += 1
+            self._admitted += n
 
     def _release(self) -> None:
         with self._lock:
@@ -98,29 +99,41 @@ class Engine:
         Raises :class:`Overloaded` before anything is yielded when the server is full.
         Closing the iterator early (a client that disconnected) cancels the generation.
         """
-        self._admit()
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Piece | GenerationResult | BaseException] = asyncio.Queue()
-        cancel = threading.Event()
+        async with aclosing(self.streams(prompt_ids, [config])) as items:
+            async for _, item in items:
+                yield item
 
-        def deliver(item: Piece | GenerationResult | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+    async def streams(self, prompt_ids: Sequence[int], configs: Sequence[GenerationConfig]
+                      ) -> AsyncIterator[tuple[int, Piece | GenerationResult]]:
+        """Generate one answer per config to the same prompt (a request's ``n`` choices), each in its own slot.
+
+        Yields ``(i, item)`` as :meth:`stream` yields items, the choices' pieces interleaved as they come;
+        it ends after every choice's result. All choices are admitted together or none is
+        (:class:`Overloaded`); closing the iterator early cancels every one still running.
+        """
+        self._admit(len(configs))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, Piece | GenerationResult | BaseException]] = asyncio.Queue()
+        cancel = threading.Event()
 
         def check(*_: object) -> None:
             if cancel.is_set():
                 raise _Cancelled
 
-        told: list[TokenLogprob] = []  # the next piece's entries
+        def work(i: int, config: GenerationConfig) -> None:
+            def deliver(item: Piece | GenerationResult | BaseException) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, (i, item))
 
-        def on_logprobs(entries: Sequence[TokenLogprob]) -> None:
-            told.extend(entries)
+            told: list[TokenLogprob] = []  # the next piece's entries
 
-        def on_piece(text: str, drafted: bool) -> None:
-            check()
-            deliver(Piece(text, drafted, tuple(told)))
-            told.clear()
+            def on_logprobs(entries: Sequence[TokenLogprob]) -> None:
+                told.extend(entries)
 
-        def work() -> None:
+            def on_piece(text: str, drafted: bool) -> None:
+                check()
+                deliver(Piece(text, drafted, tuple(told)))
+                told.clear()
+
             try:
                 if not cancel.is_set():
                     with working(self.cores):
@@ -136,19 +149,24 @@ class Engine:
                 self._release()
                 release_free_memory()  # the request's cache and drafter state are freed by now
 
+        submitted = 0
         try:
-            self._pool.submit(work)
+            for i, config in enumerate(configs):
+                self._pool.submit(work, i, config)
+                submitted += 1
         except BaseException:
-            self._release()
+            cancel.set()
+            for _ in range(len(configs) - submitted):
+                self._release()
             raise
         try:
-            while True:
-                item = await queue.get()
+            finished = 0
+            while finished < len(configs):
+                i, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
-                if isinstance(item, GenerationResult):
-                    return
+                yield i, item
+                finished += isinstance(item, GenerationResult)
         finally:
             cancel.set()
 

@@ -7,8 +7,8 @@ events ending with ``data: [DONE]``. Each response also carries a ``moaspec`` ob
 accepted drafts) that standard clients ignore. Defaults are OpenAI's: temperature 1,
 top_p 1. Log-probabilities (chat: ``logprobs``/``top_logprobs``; completions: ``logprobs``)
 are the target's own, before temperature and top_p, so drafting does not change them.
-Parameters moaspec cannot honour (``n`` > 1, penalties, ``echo``) are refused with a
-400 rather than silently ignored.
+``n`` choices decode side by side, each in its own slot. Parameters moaspec cannot
+honour (penalties, ``echo``) are refused with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -67,7 +68,7 @@ class _Common(BaseModel):
     top_p: StrictFloat = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    n: Literal[1] = 1
+    n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Literal[0, 0.0] = 0
@@ -102,18 +103,28 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
-def _usage(result: GenerationResult) -> dict[str, Any]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
-            "total_tokens": result.prompt_tokens + result.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.reused_prompt_tokens}}  # OpenAI's name for them
+def _usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """Token counts of a response: its prompt once, every choice's completion."""
+    prompt, completion = results[0].prompt_tokens, sum(r.new_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            # OpenAI's name for the prompt tokens a cache supplied
+            "prompt_tokens_details": {"cached_tokens": max(r.reused_prompt_tokens for r in results)}}
 
 
-def _stats(result: GenerationResult, pieces: list[Piece], method: str) -> dict[str, Any]:
+def _stats(results: Sequence[GenerationResult], pieces: Sequence[Piece], method: str) -> dict[str, Any]:
+    """How the choices were decoded, together (τ over every target call of every choice)."""
+    accepted = [n for r in results for n in r.accepted_lengths]
+    histogram: dict[int, int] = {}
+    for n in accepted:
+        histogram[n] = histogram.get(n, 0) + 1
+    total_s = max(r.total_s for r in results)
     return {
-        "method": method, "tau": round(result.tau, 4), "target_calls": result.target_calls + 1,  # + the prefill
-        "accepted_histogram": result.accepted_histogram(), "drafted_chars": sum(len(p.text) for p in pieces if p.drafted),
-        "tokens_per_s": round(result.tokens_per_s, 2), "prefill_s": round(result.prefill_s, 4),
-        "total_s": round(result.total_s, 4),
+        "method": method, "tau": round(sum(accepted) / len(accepted) if accepted else 0.0, 4),
+        "target_calls": sum(r.target_calls + 1 for r in results),  # + each choice's prefill
+        "accepted_histogram": dict(sorted(histogram.items())),
+        "drafted_chars": sum(len(p.text) for p in pieces if p.drafted),
+        "tokens_per_s": round(sum(r.new_tokens for r in results) / total_s if total_s > 0 else 0.0, 2),
+        "prefill_s": round(max(r.prefill_s for r in results), 4), "total_s": round(total_s, 4),
     }
 
 
@@ -205,72 +216,95 @@ class OpenAIRoutes:
         config = self._config(req, len(ids), req.max_tokens)
         return await self._respond(req, request, ids, config, chat=False)
 
+    def _choices(self, req: _Common, config: GenerationConfig) -> list[GenerationConfig]:
+        """One config per choice: with a ``seed``, choice ``i`` samples with ``seed + i`` (choice 0 as when n = 1)."""
+        if req.n > self.engine.capacity:
+            raise APIError(400, f"n = {req.n} is more choices than this server decodes and queues at once "
+                                f"({self.engine.capacity})", param="n")
+        seed = config.sampling.seed
+        return [config if seed is None or i == 0 else
+                replace(config, sampling=replace(config.sampling, seed=(seed + i) % 2**63)) for i in range(req.n)]
+
     async def _respond(self, req: _Common, request: Request, ids: list[int], config: GenerationConfig, chat: bool) -> Any:
-        logprobs = None if config.logprobs is None else LogprobFormat(self.token_bytes, chat)
+        configs = self._choices(req, config)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name}
-        stream = self.engine.stream(ids, config)
+        stream = self.engine.streams(ids, configs)
+        formats = [LogprobFormat(self.token_bytes, chat) if config.logprobs is not None else None for _ in configs]
         if req.stream:
             # admission errors (503) still become a proper response; a client that leaves during a long
             # prefill, before the response has begun, is noticed here (later, by the streaming response)
             first = await unless_disconnected(anext(stream), request)
-            return StreamingResponse(self._events(head, first, stream, chat, req, logprobs), media_type="text/event-stream",
+            return StreamingResponse(self._events(head, first, stream, chat, req, formats), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result, pieces = await unless_disconnected(self._collect(stream), request)
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs(result.logprobs or []) if logprobs else None,
-                                  "finish_reason": FINISH[result.finish_reason]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-        else:
-            choice["text"] = result.text
-        return JSONResponse({**head, "choices": [choice], "usage": _usage(result),
-                             "moaspec": _stats(result, pieces, self.engine.strategy.describe())})
+        results, pieces = await unless_disconnected(self._collect(stream, len(configs)), request)
+        choices = []
+        for i, (result, lp) in enumerate(zip(results, formats)):
+            choice: dict[str, Any] = {"index": i, "logprobs": lp(result.logprobs or []) if lp else None,
+                                      "finish_reason": FINISH[result.finish_reason]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+            choices.append(choice)
+        return JSONResponse({**head, "choices": choices, "usage": _usage(results),
+                             "moaspec": _stats(results, pieces, self.engine.strategy.describe())})
 
     @staticmethod
-    async def _collect(stream: AsyncIterator[Piece | GenerationResult]) -> tuple[GenerationResult, list[Piece]]:
-        """Run to the end: the result, and the pieces of text on the way."""
+    async def _collect(stream: AsyncIterator[tuple[int, Piece | GenerationResult]], n: int
+                       ) -> tuple[list[GenerationResult], list[Piece]]:
+        """Run to the end: each choice's result, and the pieces of text on the way."""
+        results: dict[int, GenerationResult] = {}
         pieces: list[Piece] = []
         async with aclosing(stream):
-            async for item in stream:
+            async for i, item in stream:
                 if isinstance(item, GenerationResult):
-                    return item, pieces
-                pieces.append(item)
-        raise RuntimeError("generation ended without a result")
+                    results[i] = item
+                else:
+                    pieces.append(item)
+        if len(results) != n:
+            raise RuntimeError("generation ended without a result")
+        return [results[i] for i in range(n)], pieces
 
-    async def _events(self, head: dict[str, Any], first: Piece | GenerationResult,
-                      stream: AsyncIterator[Piece | GenerationResult], chat: bool, req: _Common,
-                      logprobs: LogprobFormat | None) -> AsyncIterator[bytes]:
+    async def _events(self, head: dict[str, Any], first: tuple[int, Piece | GenerationResult],
+                      stream: AsyncIterator[tuple[int, Piece | GenerationResult]], chat: bool, req: _Common,
+                      formats: list[LogprobFormat | None]) -> AsyncIterator[bytes]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        told = 0  # log-probability entries sent so far
+        told = [0] * len(formats)  # log-probability entries sent so far, per choice
 
-        def chunk(text: str | None, finish: str | None, entries: Sequence[TokenLogprob], **extra: Any) -> dict[str, Any]:
-            nonlocal told
-            told += len(entries)
-            lp = logprobs(entries) if logprobs else None
+        def chunk(i: int, text: str | None, finish: str | None, entries: Sequence[TokenLogprob],
+                  **extra: Any) -> dict[str, Any]:
+            told[i] += len(entries)
+            lp = formats[i](entries) if formats[i] else None  # type: ignore[misc]
             if chat:
                 delta = {} if text is None else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+                choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return {**head, "choices": [choice], **extra}
 
         if chat:
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
-        pieces: list[Piece] = []
+            for i in range(len(formats)):
+                yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+        pieces: list[list[Piece]] = [[] for _ in formats]
+        results: list[GenerationResult] = []
+        method = self.engine.strategy.describe()
         async with aclosing(stream):
-            item = first
+            i, item = first
             while True:
                 if isinstance(item, GenerationResult):
-                    break
-                pieces.append(item)
-                yield _sse(chunk(item.text, None, item.logprobs, moaspec={"drafted": item.drafted}))
-                item = await anext(stream)
-        result = item
-        # the entries of tokens whose text never came out (held back as a possible stop string) end the stream
-        yield _sse(chunk(None, FINISH[result.finish_reason], (result.logprobs or [])[told:],
-                         moaspec=_stats(result, pieces, self.engine.strategy.describe())))
+                    # the entries of tokens whose text never came out (held back as a possible stop string) end it
+                    results.append(item)
+                    yield _sse(chunk(i, None, FINISH[item.finish_reason], (item.logprobs or [])[told[i]:],
+                                     moaspec=_stats([item], pieces[i], method)))
+                    if len(results) == len(formats):
+                        break
+                else:
+                    pieces[i].append(item)
+                    yield _sse(chunk(i, item.text, None, item.logprobs, moaspec={"drafted": item.drafted}))
+                i, item = await anext(stream)
         if req.stream_options and req.stream_options.include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(result)})
+            yield _sse({**head, "choices": [], "usage": _usage(results)})
         yield _sse("[DONE]")
