@@ -147,6 +147,7 @@ class SpeculativeModel:
 
     def generate(self, prompt: Prompt, *, system: str | None = None, raw: bool = False, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  stop: str | Sequence[str] = (), logprobs: int | None = None, on_text: TextCallback | None = None,
                  on_piece: PieceCallback | None = None,
                  on_prefill: ChunkCallback | None = None,
@@ -154,7 +155,8 @@ class SpeculativeModel:
         """One assistant turn for ``prompt`` (see :func:`encode_prompt`).
 
         Greedy at ``temperature`` 0: the text is exactly what the target alone would write. Sampling keeps
-        the target's distribution; ``seed`` repeats a sample. ``logprobs`` (0-20) fills the result's ``logprobs``:
+        the target's distribution; ``seed`` repeats a sample. ``presence_penalty`` and ``frequency_penalty``
+        are OpenAI's (greedy then follows the penalised target exactly). ``logprobs`` (0-20) fills the result's ``logprobs``:
         each token's log-probability under the target and that many most likely tokens at its position (the
         target's own distribution, before temperature and top-k/top-p). ``on_text`` receives the text as it is
         decoded, ``on_piece`` the same with whether it came from accepted drafts; ``on_prefill`` gets
@@ -166,7 +168,8 @@ class SpeculativeModel:
         """
         ids = encode_prompt(self.target, prompt, system, raw)
         config = GenerationConfig(max_new_tokens=max_new_tokens,
-                                  sampling=SamplingParams(temperature, top_k, top_p, seed),
+                                  sampling=SamplingParams(temperature, top_k, top_p, seed, presence_penalty,
+                                                          frequency_penalty),
                                   stop=(stop,) if isinstance(stop, str) else stop, logprobs=logprobs)
         return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece, prefill=Prefill(on_prefill, prompt_cache))
 

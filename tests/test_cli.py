@@ -179,7 +179,8 @@ def test_damaged_model_directory(tiny_dirs, tmp_path: Path, damage: str) -> None
 
 @pytest.mark.parametrize("opts,fragment", [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"),
                                            (["--max-new-tokens", "0"], "max_new_tokens"), (["--lookup", "-2"], "--lookup"),
-                                           (["--logprobs", "2"], "--json"), (["--json", "--logprobs", "21"], "logprobs")])
+                                           (["--logprobs", "2"], "--json"), (["--json", "--logprobs", "21"], "logprobs"),
+                                           (["--presence-penalty", "3"], "presence_penalty")])
 def test_bad_options(tiny_dirs, opts, fragment) -> None:  # type: ignore[no-untyped-def]
     assert_one_line_error(run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), *opts), fragment)
 

@@ -8,6 +8,8 @@ produces (token 1 comes from the prefill).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -58,9 +60,12 @@ def small_vocab():  # type: ignore[no-untyped-def]
 
 
 def exact_marginals(model: Transformer, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """p(x2) and p(x3) under the (warped) target, by enumerating x1 and x2."""
+    """p(x2) and p(x3) under the (warped, penalised) target, by enumerating x1 and x2."""
     def dist(seq: list[int]) -> torch.Tensor:
-        return probabilities(model(torch.tensor([seq]), model.new_cache(len(seq))).logits[0, -1], params).double()
+        logits = model(torch.tensor([seq]), model.new_cache(len(seq))).logits[0, -1].clone()
+        for t in set(seq[len(PROMPT):]):  # OpenAI's penalties, by the answer so far, written out
+            logits[t] -= params.presence_penalty + params.frequency_penalty * seq[len(PROMPT):].count(t)
+        return probabilities(logits, replace(params, presence_penalty=0.0, frequency_penalty=0.0)).double()
 
     p1 = dist(PROMPT)
     p2, p3 = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
@@ -73,14 +78,18 @@ def exact_marginals(model: Transformer, params: SamplingParams) -> tuple[torch.T
 
 
 PLAIN, WARPED = SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+PENALISED = SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=1.5)
 CASES = [(m, p) for m in ("chain", "tree", "eagle-tree", "independent-chain") for p in (PLAIN, WARPED)]
 # lookup's point masses, alone, before a drafter's chain, grafted onto its tree: one case each keeps CI short
 CASES += [("lookup-chain", PLAIN), ("moa-lookup-chain", WARPED), ("moa-lookup-tree", PLAIN)]
 # chains cut where the drafter is unsure: the cut depends on the drafter's own draws alone
 CASES += [("confident-chain", WARPED)]
+# presence and frequency penalties: each verified row penalised by the drafts before it on its path
+CASES += [("chain", PENALISED), ("tree", PENALISED)]
+NAMES = {id(PLAIN): "plain", id(WARPED): "warped", id(PENALISED): "penalised"}
 
 
-@pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{'plain' if p == PLAIN else 'warped'}" for m, p in CASES])
+@pytest.mark.parametrize("method,params", CASES, ids=[f"{m}-{NAMES[id(p)]}" for m, p in CASES])
 def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, params: SamplingParams) -> None:  # type: ignore[no-untyped-def]
     model, proposers = small_vocab
     tok = LetterTokenizer()
@@ -90,7 +99,7 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
     accepted = 0
     shortened = [0]  # chains the confidence ended early
     for seed in range(runs):
-        cfg = GenerationConfig(max_new_tokens=3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
+        cfg = GenerationConfig(max_new_tokens=3, sampling=replace(params, seed=seed))
         if method == "moa-lookup-tree":
             proposer = LookupProposer(V, proposers["moa"](), tree_lookup=3)
             r = generate_tree(model, tok, proposer, PROMPT, cfg, TreeShape(depth=2, top_k=2, total=4))

@@ -180,6 +180,15 @@ def test_n_choices_are_n_generations_streamed_or_not(client, tiny_llama) -> None
     assert greedy.choices[0].text == greedy.choices[1].text  # greedy choices are the target's one answer
 
 
+def test_penalties_reach_the_verification(client, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20,
+                                          presence_penalty=0.5, frequency_penalty=1.0)
+    config = GenerationConfig(max_new_tokens=20, sampling=SamplingParams(presence_penalty=0.5, frequency_penalty=1.0))
+    want = generate(tiny_llama.model, tiny_llama.tokenizer, encode_chat(tiny_llama.tokenizer, MESSAGES), config)
+    assert resp.choices[0].message.content == want.text
+    assert want.text != vanilla(tiny_llama, encode_chat(tiny_llama.tokenizer, MESSAGES), 20).text  # they bit
+
+
 def test_models_and_unknown_model(client) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -203,7 +212,8 @@ def test_authentication(server: str) -> None:
     ({"max_tokens": 0}, "max_tokens"),
     ({"n": 0}, "n"),
     ({"n": 11}, "n"),
-    ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 1}, "logprobs"),

@@ -40,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default 256)")
     options.add_sampling_options(p)
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="lower the logits of tokens the answer already holds by this much (-2..2, as OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="lower the logits of tokens the answer already holds by this much per occurrence (-2..2)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             raise PromptError("the prompt is empty")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
+                                args.frequency_penalty),
         stop=tuple(args.stop),
         logprobs=args.logprobs,
     )

@@ -38,6 +38,10 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
 
+    def __post_init__(self) -> None:
+        if self.sampling.penalized:
+            raise ValueError("batched generation does not apply presence or frequency penalties")
+
 
 def generate_many(
     model: Transformer,

@@ -5,6 +5,13 @@ are warped by exactly the same rule, so the rule lives here once: temperature, t
 top-k, then top-p (nucleus), as in transformers' default warper order. Temperature 0
 means greedy; its "distribution" is the one-hot of the argmax, which lets the same
 acceptance code serve both modes.
+
+OpenAI's presence and frequency penalties change the target's logits by what the
+answer holds so far, so under speculation each verified row is penalised by the text
+before *its* position: the answer, then the drafts on its path (:func:`path_counts`).
+Drafters draft without them; that lowers acceptance, never exactness (speculative
+sampling is exact for any draft distribution, greedy acceptance compares with the
+penalised argmax).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the answer already holds
+    frequency_penalty: float = 0.0  # subtracted once per time the answer already holds the token
 
     def __post_init__(self) -> None:
         if not (real_number(self.temperature) and self.temperature >= 0):
@@ -35,6 +44,14 @@ class SamplingParams:
             raise MoaspecError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (whole_number(self.seed) and 0 <= self.seed < 2**63):
             raise MoaspecError(f"seed must be a whole number in 0..2**63-1, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (real_number(value) and -2 <= value <= 2):
+                raise MoaspecError(f"{name} must be a number in [-2, 2] (OpenAI's range), got {value!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +88,26 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits less the presence and frequency penalties, for tokens the answer holds ``counts`` times (``[..., V]``)."""
+    if not params.penalized:
+        return logits
+    return logits.float() - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+
+
+def path_counts(counts: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """Token counts of the answer before each verified row: ``[N, V]`` from the answer's ``counts`` ``[V]``.
+
+    ``tokens`` ``[N]`` are a verification's tokens, node 0 the newest token of the answer
+    (already in ``counts``); ``ancestors[i, j]`` says node ``j`` is node ``i`` or above it
+    (a chain's is lower-triangular). Row ``i`` scores the token after node ``i``, so it
+    counts the drafts from the root's child down to node ``i``.
+    """
+    path = ancestors.to(counts.device, torch.float32).clone()
+    path[:, 0] = 0
+    return counts + path @ torch.nn.functional.one_hot(tokens.to(counts.device), counts.shape[-1]).float()
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

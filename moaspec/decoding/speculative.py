@@ -30,7 +30,7 @@ from moaspec.decoding.generation import (
 )
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import Proposer, Resumable
-from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
+from moaspec.decoding.sampling import SamplingParams, path_counts, penalize, probabilities, select_token
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.models.kv_cache import KVCache
@@ -63,6 +63,20 @@ class Run:
     resumable: Resumable | None = None  # the proposer, when its state is kept with the prompt cache
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
+    counts: torch.Tensor | None = None  # how often each token occurs in the answer, with penalties only
+
+    def penalized(self, logits: torch.Tensor, nodes: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """A verification's logits under the presence/frequency penalties, each row by the text before it
+        (``nodes``: the verified tokens, the answer's newest first; ``ancestors`` as a tree's)."""
+        if self.counts is None:
+            return logits
+        return penalize(logits, path_counts(self.counts, nodes, ancestors), self.params)
+
+    def count(self, new: Sequence[int]) -> None:
+        """Add newly verified tokens to the answer's counts (with penalties)."""
+        if self.counts is not None:
+            self.counts.index_add_(0, torch.tensor(new, device=self.counts.device), torch.ones(len(new),
+                                   device=self.counts.device))
 
     def verified(self, hidden: torch.Tensor) -> None:
         """Keep the final states of newly verified positions, for a prompt cache to store at the end (none: not kept)."""
@@ -108,6 +122,9 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     resumable = proposer if prefill.reuse is not None and isinstance(proposer, Resumable) else None
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
               prefill, [hidden], reused, resumable)
+    if config.sampling.penalized:
+        run.counts = torch.zeros(model.cfg.vocab_size, device=logits.device)
+        run.count(tokens[-1:])
     if not sink.push(tokens[-1:], scores=logits[None]):
         with prefill.reading():
             if resumable is not None:
@@ -144,12 +161,15 @@ def generate_chain(
         with run.drafting():
             proposal = proposer.propose(tokens, n, params, gen)
         n_cached = cache.length
-        out = model(torch.tensor([[tokens[-1]] + proposal.tokens.tolist()], device=model.device), cache)
+        chain = torch.tensor([tokens[-1]] + proposal.tokens.tolist(), device=model.device)
+        out = model(chain[None], cache)
+        logits = run.penalized(out.logits[0], chain, torch.ones(len(chain), len(chain), dtype=torch.bool).tril())
         if params.greedy:
-            verdict = verify_greedy(proposal.tokens, out.logits[0])
+            verdict = verify_greedy(proposal.tokens, logits)
         else:
-            verdict = verify_sampling(proposal.tokens, proposal.probs, probabilities(out.logits[0], params), gen)
+            verdict = verify_sampling(proposal.tokens, proposal.probs, probabilities(logits, params), gen)
         new = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
+        run.count(new)
         cache.truncate(n_cached + 1 + verdict.accepted)
         run.verified(out.hidden[0, : len(new)])
         tokens += new

@@ -129,14 +129,17 @@ def generate_tree(
         fits = cache.capacity - n  # the tree must fit the cache (and the context window)
         with run.drafting():
             tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, max(1, min(shape.total, fits))))
-        mask = tree_mask(n, tree.ancestors().to(model.device))
-        out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device), mask=mask)
-        scores = out.logits[0] if params.greedy else probabilities(out.logits[0], params)
+        ancestors = tree.ancestors().to(model.device)
+        out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device),
+                    mask=tree_mask(n, ancestors))
+        logits = run.penalized(out.logits[0], tree.tokens, ancestors)
+        scores = logits if params.greedy else probabilities(logits, params)
         path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
         kept = torch.tensor([0] + path, device=out.logits.device)  # the root and the path: each scores the next token
         cache.compact(n, kept)
         run.verified(out.hidden[0, kept])
         new = [int(tree.tokens[i]) for i in path] + [nxt]
+        run.count(new)
         tokens += new
         run.accepted.append(len(new))
         if not run.sink.push(new, drafted=len(path), scores=out.logits[0, kept]):

@@ -15,7 +15,7 @@ import torch
 from moaspec.chat import check_fits
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, LogprobCallback, TextCallback, TokenSink
 from moaspec.decoding.prefill import Prefill
-from moaspec.decoding.sampling import select_token
+from moaspec.decoding.sampling import penalize, select_token
 from moaspec.models.transformer import Transformer
 
 
@@ -49,7 +49,12 @@ def generate(
     logits, hidden, reused = prefill(model, prompt_ids, cache)
     prefill_s = time.perf_counter() - t0
     calls, states = 0, [hidden]
-    while not sink.push([select_token(logits, config.sampling, gen)], scores=logits[None]):
+    counts = torch.zeros(model.cfg.vocab_size, device=logits.device)  # the answer's tokens, for the penalties
+    while True:
+        token = select_token(penalize(logits, counts, config.sampling), config.sampling, gen)
+        if sink.push([token], scores=logits[None]):
+            break
+        counts[token] += 1
         out = model(torch.tensor([[sink.tokens[-1]]], device=model.device), cache)
         logits = out.logits[0, -1]
         if prefill.reuse is not None:  # kept only for a prompt cache to store

@@ -7,8 +7,9 @@ events ending with ``data: [DONE]``. Each response also carries a ``moaspec`` ob
 accepted drafts) that standard clients ignore. Defaults are OpenAI's: temperature 1,
 top_p 1. Log-probabilities (chat: ``logprobs``/``top_logprobs``; completions: ``logprobs``)
 are the target's own, before temperature and top_p, so drafting does not change them.
-``n`` choices decode side by side, each in its own slot. Parameters moaspec cannot
-honour (penalties, ``echo``) are refused with a 400 rather than silently ignored.
+``n`` choices decode side by side, each in its own slot; presence and frequency
+penalties apply to the target's verification of every draft. Parameters moaspec cannot
+honour (``echo``, ``logit_bias``, tools) are refused with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class _Common(BaseModel):
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     user: str | None = None
 
     def stops(self) -> tuple[str, ...]:
@@ -181,7 +182,8 @@ class OpenAIRoutes:
                                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
                                 "completion). Please reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")
-        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
         return GenerationConfig(max_new_tokens=max_tokens or min(self.default_max_tokens, room), sampling=sampling,
                                 stop=req.stops(), logprobs=req.alternatives())
 
