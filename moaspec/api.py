@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -148,6 +148,7 @@ class SpeculativeModel:
     def generate(self, prompt: Prompt, *, system: str | None = None, raw: bool = False, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None,
                  stop: str | Sequence[str] = (), logprobs: int | None = None, on_text: TextCallback | None = None,
                  on_piece: PieceCallback | None = None,
                  on_prefill: ChunkCallback | None = None,
@@ -156,9 +157,10 @@ class SpeculativeModel:
 
         Greedy at ``temperature`` 0: the text is exactly what the target alone would write. Sampling keeps
         the target's distribution; ``seed`` repeats a sample. ``presence_penalty`` and ``frequency_penalty``
-        are OpenAI's (greedy then follows the penalised target exactly). ``logprobs`` (0-20) fills the result's ``logprobs``:
+        and ``logit_bias`` (token id → added to its logit) are OpenAI's (greedy then follows the adjusted target
+        exactly). ``logprobs`` (0-20) fills the result's ``logprobs``:
         each token's log-probability under the target and that many most likely tokens at its position (the
-        target's own distribution, before temperature and top-k/top-p). ``on_text`` receives the text as it is
+        target's own distribution, before penalties, bias, temperature and top-k/top-p). ``on_text`` receives the text as it is
         decoded, ``on_piece`` the same with whether it came from accepted drafts; ``on_prefill`` gets
         (prompt tokens read, prompt tokens) as a long prompt is read, chunk by chunk, and may raise to
         abandon the generation there. With a ``prompt_cache`` (``moaspec.PromptCache(max_bytes)``, yours to keep
@@ -169,7 +171,7 @@ class SpeculativeModel:
         ids = encode_prompt(self.target, prompt, system, raw)
         config = GenerationConfig(max_new_tokens=max_new_tokens,
                                   sampling=SamplingParams(temperature, top_k, top_p, seed, presence_penalty,
-                                                          frequency_penalty),
+                                                          frequency_penalty, tuple((logit_bias or {}).items())),
                                   stop=(stop,) if isinstance(stop, str) else stop, logprobs=logprobs)
         return self.strategy.run(self.target, ids, config, on_text=on_text, on_piece=on_piece, prefill=Prefill(on_prefill, prompt_cache))
 

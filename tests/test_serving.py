@@ -187,6 +187,12 @@ def test_penalties_reach_the_verification(client, tiny_llama) -> None:  # type: 
     want = generate(tiny_llama.model, tiny_llama.tokenizer, encode_chat(tiny_llama.tokenizer, MESSAGES), config)
     assert resp.choices[0].message.content == want.text
     assert want.text != vanilla(tiny_llama, encode_chat(tiny_llama.tokenizer, MESSAGES), 20).text  # they bit
+    first = want.token_ids[0]  # a logit bias that bans the penalised answer's first token
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20,
+                                          logit_bias={str(first): -100})
+    config = GenerationConfig(max_new_tokens=20, sampling=SamplingParams(logit_bias=((first, -100.0),)))
+    banned = generate(tiny_llama.model, tiny_llama.tokenizer, encode_chat(tiny_llama.tokenizer, MESSAGES), config)
+    assert resp.choices[0].message.content == banned.text and first not in banned.token_ids
 
 
 def test_models_and_unknown_model(client) -> None:  # type: ignore[no-untyped-def]
@@ -214,6 +220,9 @@ def test_authentication(server: str) -> None:
     ({"n": 11}, "n"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 1}, "logprobs"),

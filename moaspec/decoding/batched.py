@@ -39,8 +39,8 @@ class Request:
     sampling: SamplingParams = SamplingParams()
 
     def __post_init__(self) -> None:
-        if self.sampling.penalized:
-            raise ValueError("batched generation does not apply presence or frequency penalties")
+        if self.sampling.adjusted:
+            raise ValueError("batched generation does not apply penalties or a logit bias")
 
 
 def generate_many(

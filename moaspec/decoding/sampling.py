@@ -9,19 +9,22 @@ acceptance code serve both modes.
 OpenAI's presence and frequency penalties change the target's logits by what the
 answer holds so far, so under speculation each verified row is penalised by the text
 before *its* position: the answer, then the drafts on its path (:func:`path_counts`).
-Drafters draft without them; that lowers acceptance, never exactness (speculative
-sampling is exact for any draft distribution, greedy acceptance compares with the
-penalised argmax).
+Its ``logit_bias`` adds the same to every row. Drafters draft without either; that
+lowers acceptance, never exactness (speculative sampling is exact for any draft
+distribution, greedy acceptance compares with the adjusted argmax).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from moaspec.errors import MoaspecError
 from moaspec.validation import real_number, whole_number
+
+MAX_LOGIT_BIAS = 1024  # entries in a logit bias (OpenAI allows 300)
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0  # subtracted from the logit of every token the answer already holds
     frequency_penalty: float = 0.0  # subtracted once per time the answer already holds the token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's logit_bias
 
     def __post_init__(self) -> None:
         if not (real_number(self.temperature) and self.temperature >= 0):
@@ -48,10 +52,32 @@ class SamplingParams:
             value = getattr(self, name)
             if not (real_number(value) and -2 <= value <= 2):
                 raise MoaspecError(f"{name} must be a number in [-2, 2] (OpenAI's range), got {value!r}")
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS or not all(
+                isinstance(e, tuple) and len(e) == 2 and whole_number(e[0]) and e[0] >= 0 and real_number(e[1])
+                and -100 <= e[1] <= 100 for e in self.logit_bias):
+            raise MoaspecError(f"logit_bias takes at most {MAX_LOGIT_BIAS} (token id, bias) pairs, each bias in "
+                               f"[-100, 100], got {self.logit_bias!r}")
 
     @property
     def penalized(self) -> bool:
+        """Whether the target's logits change by the answer so far (presence or frequency penalties)."""
         return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the target's logits change before choosing: penalties or a logit bias."""
+        return self.penalized or bool(self.logit_bias)
+
+    @cached_property
+    def _bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, values = zip(*self.logit_bias)
+        return torch.tensor(ids), torch.tensor(values, dtype=torch.float32)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse a logit bias for a token the target does not have."""
+        bad = next((t for t, _ in self.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise MoaspecError(f"logit_bias names token {bad}, outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -90,11 +116,19 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def penalize(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits less the presence and frequency penalties, for tokens the answer holds ``counts`` times (``[..., V]``)."""
-    if not params.penalized:
+def adjust(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits plus the logit bias, less the presence and frequency penalties for tokens the answer holds ``counts``
+    times (``[..., V]``; None: the answer is empty); unchanged without either."""
+    if not params.adjusted:
         return logits
-    return logits.float() - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    logits = logits.float()
+    if params.penalized and counts is not None:
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        ids, values = params._bias
+        logits = logits + torch.zeros(logits.shape[-1], device=logits.device).index_add_(
+            0, ids.to(logits.device), values.to(logits.device))
+    return logits
 
 
 def path_counts(counts: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:

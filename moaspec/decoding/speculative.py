@@ -30,7 +30,7 @@ from moaspec.decoding.generation import (
 )
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import Proposer, Resumable
-from moaspec.decoding.sampling import SamplingParams, path_counts, penalize, probabilities, select_token
+from moaspec.decoding.sampling import SamplingParams, adjust, path_counts, probabilities, select_token
 from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.models.kv_cache import KVCache
@@ -65,12 +65,12 @@ class Run:
     draft_s: float = 0.0
     counts: torch.Tensor | None = None  # how often each token occurs in the answer, with penalties only
 
-    def penalized(self, logits: torch.Tensor, nodes: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-        """A verification's logits under the presence/frequency penalties, each row by the text before it
-        (``nodes``: the verified tokens, the answer's newest first; ``ancestors`` as a tree's)."""
-        if self.counts is None:
-            return logits
-        return penalize(logits, path_counts(self.counts, nodes, ancestors), self.params)
+    def adjusted(self, logits: torch.Tensor, nodes: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """A verification's logits with the logit bias and the presence/frequency penalties, each row penalised
+        by the text before it (``nodes``: the verified tokens, the answer's newest first; ``ancestors`` as a tree's)."""
+        if self.counts is None:  # no penalties: a logit bias at most
+            return adjust(logits, self.params)
+        return adjust(logits, self.params, path_counts(self.counts, nodes, ancestors))
 
     def count(self, new: Sequence[int]) -> None:
         """Add newly verified tokens to the answer's counts (with penalties)."""
@@ -112,13 +112,14 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     """
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
+    config.sampling.check_vocabulary(model.cfg.vocab_size)
     budget = min(config.max_new_tokens, context - len(prompt_ids))
     cache = model.new_cache(min(len(prompt_ids) + budget + room, context))
     sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece, on_logprobs)
     gen = config.sampling.generator(model.device)
     t0 = time.perf_counter()
     logits, hidden, reused = prefill(model, prompt_ids, cache)
-    tokens = list(prompt_ids) + [select_token(logits, config.sampling, gen)]
+    tokens = list(prompt_ids) + [select_token(adjust(logits, config.sampling), config.sampling, gen)]
     resumable = proposer if prefill.reuse is not None and isinstance(proposer, Resumable) else None
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
               prefill, [hidden], reused, resumable)
@@ -163,7 +164,7 @@ def generate_chain(
         n_cached = cache.length
         chain = torch.tensor([tokens[-1]] + proposal.tokens.tolist(), device=model.device)
         out = model(chain[None], cache)
-        logits = run.penalized(out.logits[0], chain, torch.ones(len(chain), len(chain), dtype=torch.bool).tril())
+        logits = run.adjusted(out.logits[0], chain, torch.ones(len(chain), len(chain), dtype=torch.bool).tril())
         if params.greedy:
             verdict = verify_greedy(proposal.tokens, logits)
         else:

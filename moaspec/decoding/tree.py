@@ -132,7 +132,7 @@ def generate_tree(
         ancestors = tree.ancestors().to(model.device)
         out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device),
                     mask=tree_mask(n, ancestors))
-        logits = run.penalized(out.logits[0], tree.tokens, ancestors)
+        logits = run.adjusted(out.logits[0], tree.tokens, ancestors)
         scores = logits if params.greedy else probabilities(logits, params)
         path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
         kept = torch.tensor([0] + path, device=out.logits.device)  # the root and the path: each scores the next token

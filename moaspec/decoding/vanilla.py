@@ -15,7 +15,7 @@ import torch
 from moaspec.chat import check_fits
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, LogprobCallback, TextCallback, TokenSink
 from moaspec.decoding.prefill import Prefill
-from moaspec.decoding.sampling import penalize, select_token
+from moaspec.decoding.sampling import adjust, select_token
 from moaspec.models.transformer import Transformer
 
 
@@ -41,6 +41,7 @@ def generate(
     the prompt is read (told chunk by chunk, reusing a :class:`~moaspec.decoding.prefill.PromptCache`)."""
     context = model.cfg.max_position_embeddings
     check_fits(len(prompt_ids), context)
+    config.sampling.check_vocabulary(model.cfg.vocab_size)
     budget = min(config.max_new_tokens, context - len(prompt_ids))
     sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_logprobs=on_logprobs)
     gen = config.sampling.generator(model.device)
@@ -51,7 +52,7 @@ def generate(
     calls, states = 0, [hidden]
     counts = torch.zeros(model.cfg.vocab_size, device=logits.device)  # the answer's tokens, for the penalties
     while True:
-        token = select_token(penalize(logits, counts, config.sampling), config.sampling, gen)
+        token = select_token(adjust(logits, config.sampling, counts), config.sampling, gen)
         if sink.push([token], scores=logits[None]):
             break
         counts[token] += 1

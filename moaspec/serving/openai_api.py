@@ -8,8 +8,9 @@ accepted drafts) that standard clients ignore. Defaults are OpenAI's: temperatur
 top_p 1. Log-probabilities (chat: ``logprobs``/``top_logprobs``; completions: ``logprobs``)
 are the target's own, before temperature and top_p, so drafting does not change them.
 ``n`` choices decode side by side, each in its own slot; presence and frequency
-penalties apply to the target's verification of every draft. Parameters moaspec cannot
-honour (``echo``, ``logit_bias``, tools) are refused with a 400 rather than silently ignored.
+penalties and ``logit_bias`` apply to the target's verification of every draft.
+Parameters moaspec cannot honour (``echo``, tools) are refused with a 400 rather than
+silently ignored.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from moaspec.chat import encode_chat, encode_text, outside_vocabulary
 from moaspec.decoding.generation import MAX_TOP_LOGPROBS, GenerationConfig, GenerationResult, TokenLogprob
 from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
-from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.sampling import MAX_LOGIT_BIAS, SamplingParams
 from moaspec.errors import MoaspecError
 from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.engine import Engine, Piece
@@ -74,7 +75,19 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
+
+    def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; its keys are token ids written as strings."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+                raise APIError(400, f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}", param="logit_bias")
+            pairs.append((int(key), value))
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+        return tuple(pairs)
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -183,7 +196,8 @@ class OpenAIRoutes:
                                 "completion). Please reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                  logit_bias=req.bias(self.engine.target.cfg.vocab_size))
         return GenerationConfig(max_new_tokens=max_tokens or min(self.default_max_tokens, room), sampling=sampling,
                                 stop=req.stops(), logprobs=req.alternatives())
 
