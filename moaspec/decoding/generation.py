@@ -21,9 +21,9 @@ MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's limit
 class TokenLogprob:
     """A generated token's log-probability under the target, and the ``top`` most likely tokens at its position.
 
-    The target's own distribution (log-softmax of its logits, before penalties, logit bias, temperature, top-k
-    or top-p), so it
-    is the same whichever drafter proposed the token, and the same as plain decoding reports.
+    The target's own distribution (log-softmax of its logits, before penalties, logit bias, temperature,
+    top-k or top-p), so it is the same whichever drafter proposed the token, and the same as plain
+    decoding reports.
     """
 
     token: int

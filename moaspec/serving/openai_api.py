@@ -6,7 +6,8 @@ events ending with ``data: [DONE]``. Each response also carries a ``moaspec`` ob
 (τ, target calls, drafted tokens; per streamed chunk, whether its text came from
 accepted drafts) that standard clients ignore. Defaults are OpenAI's: temperature 1,
 top_p 1. Log-probabilities (chat: ``logprobs``/``top_logprobs``; completions: ``logprobs``)
-are the target's own, before temperature and top_p, so drafting does not change them.
+are the target's own, before penalties, bias, temperature and top_p, so drafting does
+not change them.
 ``n`` choices decode side by side, each in its own slot; presence and frequency
 penalties and ``logit_bias`` apply to the target's verification of every draft.
 Parameters moaspec cannot honour (``echo``, tools) are refused with a 400 rather than
