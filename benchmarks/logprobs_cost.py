@@ -10,32 +10,22 @@ text is the same either way.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 
 import moaspec
 from moaspec.chat import chat_messages
-from moaspec.specbench import load_questions
-
-REPO = Path(__file__).resolve().parent.parent
+from specbench_script import parser, questions, write_results
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
-    ap.add_argument("--per-file", type=int, default=2)
+    ap = parser(__doc__, per_file=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", default="0,5,20", help="alternatives per token to compare with none (comma list)")
-    ap.add_argument("--output", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
 
-    lm = moaspec.load(threads=args.threads)
+    lm = moaspec.load(drafter=args.drafter or "shipped", threads=args.threads)
     settings: list[int | None] = [None, *(int(k) for k in args.top.split(","))]
-    prompts = [chat_messages(q.turns[0]) for q in load_questions(args.questions, per_file=args.per_file)]
+    prompts = [chat_messages(q.turns[0]) for q in questions(args)]
     lm.generate(prompts[0], max_new_tokens=16)  # warm-up
     seconds = {k: 0.0 for k in settings}
     tokens = {k: 0 for k in settings}
@@ -56,9 +46,7 @@ def main() -> None:
     print(f"{len(prompts)} prompts x {args.max_new_tokens} tokens, {lm.strategy.describe()}, {args.threads} threads")
     for name, row in rows.items():
         print(f"  logprobs {name:>7}: {row['tokens_per_s']:7.2f} tok/s  ({row['vs_none']:.3f}x none)")
-    if args.output:
-        Path(args.output).write_text(json.dumps({"prompts": len(prompts), "decoding": lm.strategy.describe(),
-                                                 "threads": args.threads, "settings": rows}, indent=1))
+    write_results(args, prompts=len(prompts), decoding=lm.strategy.describe(), settings=rows)
 
 
 if __name__ == "__main__":

@@ -11,35 +11,25 @@ decoding's under the same settings.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 
 import moaspec
 from moaspec.chat import chat_messages
-from moaspec.specbench import load_questions
-
-REPO = Path(__file__).resolve().parent.parent
+from specbench_script import parser, questions, write_results
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
-    ap.add_argument("--per-file", type=int, default=2)
+    ap = parser(__doc__, per_file=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--presence", type=float, default=0.5)
     ap.add_argument("--frequency", type=float, default=0.5)
-    ap.add_argument("--output", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
 
-    lm = moaspec.load(threads=args.threads)
+    lm = moaspec.load(drafter=args.drafter or "shipped", threads=args.threads)
     plain = lm.with_decoding(None)
     settings = {"none": {}, "penalties": {"presence_penalty": args.presence, "frequency_penalty": args.frequency}}
     runs = [(name, model) for name in settings for model in ("plain", "speculative")]
-    prompts = [chat_messages(q.turns[0]) for q in load_questions(args.questions, per_file=args.per_file)]
+    prompts = [chat_messages(q.turns[0]) for q in questions(args)]
     lm.generate(prompts[0], max_new_tokens=16)  # warm-up
     totals = {run: {"s": 0.0, "tokens": 0, "calls": 0, "accepted": 0} for run in runs}
     for i, prompt in enumerate(prompts):
@@ -69,10 +59,7 @@ def main() -> None:
     for name, row in rows.items():
         print(f"  {name:>9}: plain {row['plain_tokens_per_s']:6.2f} tok/s, speculative "
               f"{row['speculative_tokens_per_s']:6.2f} tok/s, speedup {row['speedup']:.3f}x, tau {row['tau']:.2f}")
-    if args.output:
-        Path(args.output).write_text(json.dumps({"prompts": len(prompts), "decoding": lm.strategy.describe(),
-                                                 "threads": args.threads, "presence": args.presence,
-                                                 "frequency": args.frequency, "settings": rows}, indent=1))
+    write_results(args, prompts=len(prompts), decoding=lm.strategy.describe(), settings=rows)
 
 
 if __name__ == "__main__":
