@@ -111,3 +111,25 @@ def test_token_bytes_rebuild_text_that_splits_characters(tiny_llama) -> None:  #
     names = [token_bytes.text(i) for i in ids]
     assert any(n.startswith("bytes:\\x") for n in names)  # this tokenizer splits some of these characters
     assert all(n.startswith("bytes:") or n.encode() == token_bytes(i) for n, i in zip(names, ids))
+
+
+@pytest.mark.parametrize("name", ["plain", "chain", "tree"])
+def test_prompt_logprobs_from_the_prefill_are_the_targets_own(tiny_llama, name: str) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.decoding.prefill import Prefill, PromptCache
+
+    prompt = PROMPT * 5  # 40 tokens: some positions come from a prompt cache on the second run
+    logits = tiny_llama.model(torch.tensor([prompt]), tiny_llama.model.new_cache(len(prompt))).logits[0]
+    want = torch.log_softmax(logits[:-1].float(), dim=-1)
+    reuse = PromptCache(1 << 30, min_tokens=8)
+    strategy = STRATEGIES[name](drafter(tiny_llama))
+    config = GenerationConfig(max_new_tokens=4, prompt_logprobs=2)
+    for run in range(2):  # read whole, then mostly from the cache (the final states the cache kept)
+        with torch.no_grad():
+            result = strategy.run(tiny_llama, prompt, config, prefill=Prefill(reuse=reuse))
+        assert (result.reused_prompt_tokens > 0) == (run == 1)
+        entries = result.prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None and result.logprobs is None
+        for i, e in enumerate(entries[1:]):
+            assert e is not None and e.token == prompt[i + 1]
+            assert e.logprob == pytest.approx(float(want[i, e.token]), abs=1e-4)
+            assert [t for t, _ in e.top] == want[i].topk(2).indices.tolist()

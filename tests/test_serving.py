@@ -195,6 +195,34 @@ def test_penalties_reach_the_verification(client, tiny_llama) -> None:  # type: 
     assert resp.choices[0].message.content == banned.text and first not in banned.token_ids
 
 
+def test_completions_echo_and_batches_of_prompts(client, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    tok = tiny_llama.tokenizer
+    a, b = encode_text(tok, "The quick brown fox"), encode_text(tok, "Once upon a time")
+    # a batch of token-id prompts (as lm-evaluation-harness sends them), two choices each: index = prompt · n + choice
+    resp = client.completions.create(model=MODEL, prompt=[a, b], temperature=0, max_tokens=6, n=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert [c.text for c in resp.choices] == [vanilla(tiny_llama, a, 6).text] * 2 + [vanilla(tiny_llama, b, 6).text] * 2
+    # echo: the prompt's text before the answer, and with logprobs the prompt tokens' log-probabilities too
+    resp = client.completions.create(model=MODEL, prompt=[a], temperature=0, max_tokens=4, echo=True, logprobs=1)
+    want = vanilla(tiny_llama, a, 4)
+    choice = resp.choices[0]
+    assert choice.text == tok.decode(a) + want.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(a) + want.new_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(target_logprobs(tiny_llama, a[:1], a[1:] + want.token_ids), abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    streamed = list(client.completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=4,
+                                              echo=True, stream=True))
+    assert streamed[0].choices[0].text == "The quick brown fox"
+    assert "".join(c.choices[0].text for c in streamed) == "The quick brown fox" + want.text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt=a, max_tokens=4, echo=True, logprobs=1, stream=True)
+    with pytest.raises(openai.BadRequestError, match="choices"):
+        client.completions.create(model=MODEL, prompt=[a, b], max_tokens=4, n=6)  # 12 > the server's 10 places
+
+
 def test_models_and_unknown_model(client) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -253,6 +281,9 @@ def test_raw_http_errors(server: str) -> None:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         assert "token id 1000000000 is outside the vocabulary" in r.json()["error"]["message"]
+        for prompt in ([], [[]], [""], [[1, 2], [3, 10**9]], [[1], "a"], [1, "a"], [[[1]]]):  # batches, token lists
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 400 and "prompt" in json.dumps(r.json()["error"]), (prompt, r.text)
         big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
         r = http.post("/v1/chat/completions", content=iter([big[:1000], big[1000:]]),  # chunked: no Content-Length
                       headers={"Content-Type": "application/json"})

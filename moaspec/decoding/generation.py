@@ -34,6 +34,30 @@ class TokenLogprob:
 LogprobCallback = Callable[[Sequence[TokenLogprob]], None]  # the entries of the text about to be emitted
 
 
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Entries for ``tokens`` from the logits ``[len(tokens), V]`` that scored them, with the ``top`` likeliest."""
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = logp.gather(-1, torch.tensor(list(tokens), device=logp.device)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = logp.topk(top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, lp, best) for t, lp, best in zip(tokens, chosen, tops)]
+
+
+def prompt_logprobs(lm_head: Callable[[torch.Tensor], torch.Tensor], prompt_ids: Sequence[int], hidden: torch.Tensor,
+                    top: int, rows: int = 256) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability given the tokens before it (None for the first), from the prefill's final
+    states ``hidden`` ``[T, d]``: ``lm_head`` over ``rows`` positions at a time, so a long prompt never holds
+    ``[T, V]`` logits at once."""
+    entries: list[TokenLogprob | None] = [None]
+    for a in range(0, len(prompt_ids) - 1, rows):
+        b = min(a + rows, len(prompt_ids) - 1)
+        entries += token_logprobs(lm_head(hidden[a:b]), prompt_ids[a + 1 : b + 1], top)
+    return entries
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """When to stop and how to pick tokens."""
@@ -43,13 +67,16 @@ class GenerationConfig:
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely tokens
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (a completions API's echo)
 
     def __post_init__(self) -> None:
         if not (whole_number(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise MoaspecError(f"max_new_tokens must be a whole number >= 1, got {self.max_new_tokens!r}")
-        if self.logprobs is not None and not (whole_number(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise MoaspecError(f"logprobs must be a whole number in 0..{MAX_TOP_LOGPROBS} (alternatives per token) "
-                               f"or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (whole_number(value) and 0 <= value <= MAX_TOP_LOGPROBS):
+                raise MoaspecError(f"{name} must be a whole number in 0..{MAX_TOP_LOGPROBS} (alternatives per token) "
+                                   f"or None, got {value!r}")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
             raise MoaspecError(f"stop must be a list or tuple of strings, got {self.stop!r}")
 
@@ -69,6 +96,7 @@ class GenerationResult:
     draft_s: float = 0.0  # time in the drafter (speculative decoders): proposing, and taking in verified tokens
     reused_prompt_tokens: int = 0  # leading prompt tokens whose K/V came from a PromptCache instead of a forward
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the config asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None for the first), when asked
 
     @property
     def new_tokens(self) -> int:
@@ -152,14 +180,7 @@ class TokenSink:
             return []
         if scores is None or scores.shape[0] < len(new):
             raise ValueError("log-probabilities were asked for, and this decoder did not give the logits of its tokens")
-        logp = torch.log_softmax(scores[: len(new)].float(), dim=-1)
-        chosen = logp.gather(-1, torch.tensor(list(new), device=logp.device)[:, None])[:, 0].tolist()
-        if self.top:
-            values, ids = logp.topk(self.top, dim=-1)
-            tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        else:
-            tops = [()] * len(new)
-        return [TokenLogprob(t, lp, top) for t, lp, top in zip(new, chosen, tops)]
+        return token_logprobs(scores, new, self.top)
 
     def push(self, new: Sequence[int], drafted: int = 0, scores: torch.Tensor | None = None) -> bool:
         """Append tokens until one stops generation; return True once generation is over.

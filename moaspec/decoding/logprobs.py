@@ -87,11 +87,31 @@ class LogprobFormat:
                                  "top_logprobs": [self._chat_entry(t, lp) for t, lp in e.top]} for e in entries],
                     "refusal": None}
         tokens = [self.bytes.text(e.token) for e in entries]
-        offsets = []
-        for e in entries:  # where each token's text begins: the characters completed before it
-            offsets.append(len(self._seen.decode("utf-8", errors="ignore")))
-            self._seen += self.bytes(e.token)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{**{self.bytes.text(t): lp for t, lp in e.top}, text: e.logprob}
                                  for e, text in zip(entries, tokens)],
-                "text_offset": offsets}
+                "text_offset": self._offsets([e.token for e in entries])}
+
+    def _offsets(self, tokens: Sequence[int]) -> list[int]:
+        """Where each token's text begins in the completion: the characters completed before it."""
+        offsets = []
+        for token in tokens:
+            offsets.append(len(self._seen.decode("utf-8", errors="ignore")))
+            self._seen += self.bytes(token)
+        return offsets
+
+    def prompt(self, ids: Sequence[int], entries: Sequence[TokenLogprob | None]) -> dict[str, Any]:
+        """The completions API's entries of an echoed prompt: ``entries`` as the prompt's own log-probabilities
+        give them, the first token with none (nothing before it); formatted before the answer's."""
+        tokens = [self.bytes.text(t) for t in ids]
+        return {"tokens": tokens, "token_logprobs": [e.logprob if e else None for e in entries],
+                "top_logprobs": [{**{self.bytes.text(t): lp for t, lp in e.top}, text: e.logprob} if e else None
+                                 for e, text in zip(entries, tokens)],
+                "text_offset": self._offsets(ids)}
+
+    @staticmethod
+    def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Two runs of completions-API entries as one (either may be None: no entries)."""
+        if first is None or then is None:
+            return first or then
+        return {key: first[key] + then[key] for key in first}

@@ -26,7 +26,9 @@ from moaspec.decoding.generation import (
     LogprobCallback,
     PieceCallback,
     TextCallback,
+    TokenLogprob,
     TokenSink,
+    prompt_logprobs,
 )
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import Proposer, Resumable
@@ -64,6 +66,7 @@ class Run:
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     counts: torch.Tensor | None = None  # how often each token occurs in the answer, with penalties only
+    scored: list[TokenLogprob | None] | None = None  # the prompt's tokens' log-probabilities, when asked
 
     def adjusted(self, logits: torch.Tensor, nodes: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
         """A verification's logits with the logit bias and the presence/frequency penalties, each row penalised
@@ -99,7 +102,7 @@ class Run:
             token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish, prompt_tokens=self.prompt_tokens,
             prefill_s=self.prefill_s, total_s=time.perf_counter() - self.t0, target_calls=len(self.accepted),
             accepted_lengths=self.accepted, draft_s=self.draft_s, reused_prompt_tokens=self.reused_prompt_tokens,
-            logprobs=self.sink.logprobs,
+            logprobs=self.sink.logprobs, prompt_logprobs=self.scored,
         )
 
 
@@ -123,6 +126,8 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     resumable = proposer if prefill.reuse is not None and isinstance(proposer, Resumable) else None
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
               prefill, [hidden], reused, resumable)
+    if config.prompt_logprobs is not None:
+        run.scored = prompt_logprobs(model.lm_head, prompt_ids, hidden, config.prompt_logprobs)
     if config.sampling.penalized:
         run.counts = torch.zeros(model.cfg.vocab_size, device=logits.device)
         run.count(tokens[-1:])

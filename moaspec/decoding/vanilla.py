@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from moaspec.chat import check_fits
-from moaspec.decoding.generation import GenerationConfig, GenerationResult, LogprobCallback, TextCallback, TokenSink
+from moaspec.decoding.generation import (
+    GenerationConfig,
+    GenerationResult,
+    LogprobCallback,
+    TextCallback,
+    TokenSink,
+    prompt_logprobs,
+)
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.sampling import adjust, select_token
 from moaspec.models.transformer import Transformer
@@ -48,6 +55,8 @@ def generate(
     cache = model.new_cache(len(prompt_ids) + budget)
     t0 = time.perf_counter()
     logits, hidden, reused = prefill(model, prompt_ids, cache)
+    scored = None if config.prompt_logprobs is None else prompt_logprobs(model.lm_head, prompt_ids, hidden,
+                                                                          config.prompt_logprobs)
     prefill_s = time.perf_counter() - t0
     calls, states = 0, [hidden]
     counts = torch.zeros(model.cfg.vocab_size, device=logits.device)  # the answer's tokens, for the penalties
@@ -66,5 +75,5 @@ def generate(
     return GenerationResult(
         token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
         prefill_s=prefill_s, total_s=time.perf_counter() - t0, target_calls=calls,
-        accepted_lengths=[1] * calls, reused_prompt_tokens=reused, logprobs=sink.logprobs,
+        accepted_lengths=[1] * calls, reused_prompt_tokens=reused, logprobs=sink.logprobs, prompt_logprobs=scored,
     )

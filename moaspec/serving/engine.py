@@ -99,13 +99,13 @@ class Engine:
         Raises :class:`Overloaded` before anything is yielded when the server is full.
         Closing the iterator early (a client that disconnected) cancels the generation.
         """
-        async with aclosing(self.streams(prompt_ids, [config])) as items:
+        async with aclosing(self.streams([prompt_ids], [config])) as items:
             async for _, item in items:
                 yield item
 
-    async def streams(self, prompt_ids: Sequence[int], configs: Sequence[GenerationConfig]
+    async def streams(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig]
                       ) -> AsyncIterator[tuple[int, Piece | GenerationResult]]:
-        """Generate one answer per config to the same prompt (a request's ``n`` choices), each in its own slot.
+        """Generate one answer per prompt and config (a request's prompts and ``n`` choices), each in its own slot.
 
         Yields ``(i, item)`` as :meth:`stream` yields items, the choices' pieces interleaved as they come;
         it ends after every choice's result. All choices are admitted together or none is
@@ -120,7 +120,7 @@ class Engine:
             if cancel.is_set():
                 raise _Cancelled
 
-        def work(i: int, config: GenerationConfig) -> None:
+        def work(i: int, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
             def deliver(item: Piece | GenerationResult | BaseException) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, (i, item))
 
@@ -151,8 +151,8 @@ class Engine:
 
         submitted = 0
         try:
-            for i, config in enumerate(configs):
-                self._pool.submit(work, i, config)
+            for i, (prompt_ids, config) in enumerate(zip(prompts, configs, strict=True)):
+                self._pool.submit(work, i, prompt_ids, config)
                 submitted += 1
         except BaseException:
             cancel.set()

@@ -8,10 +8,11 @@ accepted drafts) that standard clients ignore. Defaults are OpenAI's: temperatur
 top_p 1. Log-probabilities (chat: ``logprobs``/``top_logprobs``; completions: ``logprobs``)
 are the target's own, before penalties, bias, temperature and top_p, so drafting does
 not change them.
-``n`` choices decode side by side, each in its own slot; presence and frequency
-penalties and ``logit_bias`` apply to the target's verification of every draft.
-Parameters moaspec cannot honour (``echo``, tools) are refused with a 400 rather than
-silently ignored.
+``n`` choices (and the completions API's batches of prompts) decode side by side, each
+in its own slot; presence and frequency penalties and ``logit_bias`` apply to the
+target's verification of every draft; ``echo`` repeats the prompt, with its tokens'
+log-probabilities when asked (from the prefill's final states). Parameters moaspec
+cannot honour (tools, ``best_of``) are refused with a 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[StrictInt]
-    echo: Literal[False] = False
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the completions API's is a count
 
     def alternatives(self) -> int | None:
@@ -185,7 +186,8 @@ class OpenAIRoutes:
 
     # --- generation ---------------------------------------------------------------------
 
-    def _config(self, req: ChatRequest | CompletionRequest, prompt_len: int, max_tokens: int | None) -> GenerationConfig:
+    def _config(self, req: ChatRequest | CompletionRequest, prompt_len: int, max_tokens: int | None,
+                echo: bool = False) -> GenerationConfig:
         context = self.engine.context
         if prompt_len >= context:
             raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
@@ -199,8 +201,9 @@ class OpenAIRoutes:
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                   logit_bias=req.bias(self.engine.target.cfg.vocab_size))
+        logprobs = req.alternatives()
         return GenerationConfig(max_new_tokens=max_tokens or min(self.default_max_tokens, room), sampling=sampling,
-                                stop=req.stops(), logprobs=req.alternatives())
+                                stop=req.stops(), logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
 
     def _encode(self, fn: Callable[[], list[int]], param: str) -> list[int]:
         try:
@@ -213,57 +216,84 @@ class OpenAIRoutes:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         ids = self._encode(lambda: encode_chat(self.engine.target.tokenizer, messages), "messages")
         config = self._config(req, len(ids), req.max_completion_tokens or req.max_tokens)
-        return await self._respond(req, request, ids, config, chat=True)
+        return await self._respond(req, request, [ids], [config], chat=True)
+
+    def _prompts(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
+        """The request's prompts (one, or a batch) as token ids, each with its text (what ``echo`` repeats)."""
+        vocab, tokenizer = self.engine.target.cfg.vocab_size, self.engine.target.tokenizer
+        raw = req.prompt
+        items: list[str | list[int]] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw  # type: ignore[list-item, assignment]
+        if not items:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self._encode(lambda text=item: encode_text(tokenizer, text), "prompt")  # type: ignore[misc]
+                text = item
+            else:
+                ids = list(item)
+                bad = outside_vocabulary(ids, vocab)
+                if bad is not None:
+                    raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+                text = str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            prompts.append((ids, text))
+        return prompts
 
     async def completions(self, req: CompletionRequest, request: Request) -> Any:
         self._check_model(req.model)
-        vocab = self.engine.target.cfg.vocab_size
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
-            ids = list(req.prompt)  # type: ignore[arg-type]
-            bad = outside_vocabulary(ids, vocab)
-            if bad is not None:
-                raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-        else:
-            texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-            if len(texts) != 1:
-                raise APIError(400, "prompt must be one string (batches of prompts are not supported)", param="prompt")
-            ids = self._encode(lambda: encode_text(self.engine.target.tokenizer, str(texts[0])), "prompt")
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        config = self._config(req, len(ids), req.max_tokens)
-        return await self._respond(req, request, ids, config, chat=False)
+        if req.echo and req.stream and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is answered whole: ask for it without stream", param="echo")
+        prompts = self._prompts(req)
+        configs = [self._config(req, len(ids), req.max_tokens, echo=req.echo) for ids, _ in prompts]
+        return await self._respond(req, request, [ids for ids, _ in prompts], configs, chat=False,
+                                   echoes=[text for _, text in prompts] if req.echo else None)
 
-    def _choices(self, req: _Common, config: GenerationConfig) -> list[GenerationConfig]:
-        """One config per choice: with a ``seed``, choice ``i`` samples with ``seed + i`` (choice 0 as when n = 1)."""
-        if req.n > self.engine.capacity:
-            raise APIError(400, f"n = {req.n} is more choices than this server decodes and queues at once "
-                                f"({self.engine.capacity})", param="n")
-        seed = config.sampling.seed
-        return [config if seed is None or i == 0 else
-                replace(config, sampling=replace(config.sampling, seed=(seed + i) % 2**63)) for i in range(req.n)]
+    def _choices(self, req: _Common, prompts: list[list[int]], configs: list[GenerationConfig]
+                 ) -> tuple[list[list[int]], list[GenerationConfig]]:
+        """Each prompt's ``n`` choices, choice ``j`` of prompt ``p`` at index ``p·n + j`` (OpenAI's order): their
+        prompts and configs. With a ``seed``, choice ``j`` samples with ``seed + j`` (choice 0 as when n = 1)."""
+        total = req.n * len(prompts)
+        if total > self.engine.capacity:
+            raise APIError(400, f"{total} choices ({len(prompts)} prompts × n = {req.n}) are more than this server "
+                                f"decodes and queues at once ({self.engine.capacity})", param="n")
+        choices: list[GenerationConfig] = []
+        for config in configs:
+            seed = config.sampling.seed
+            choices += [config if seed is None or j == 0 else
+                        replace(config, sampling=replace(config.sampling, seed=(seed + j) % 2**63)) for j in range(req.n)]
+        return [ids for ids in prompts for _ in range(req.n)], choices
 
-    async def _respond(self, req: _Common, request: Request, ids: list[int], config: GenerationConfig, chat: bool) -> Any:
-        configs = self._choices(req, config)
+    async def _respond(self, req: _Common, request: Request, prompts: list[list[int]], configs: list[GenerationConfig],
+                       chat: bool, echoes: list[str] | None = None) -> Any:
+        """Answer every prompt's choices; ``echoes``: each prompt's text, to put before its choices' text."""
+        prompts, configs = self._choices(req, prompts, configs)
+        echo = [echoes[i // req.n] for i in range(len(configs))] if echoes is not None else None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name}
-        stream = self.engine.streams(ids, configs)
-        formats = [LogprobFormat(self.token_bytes, chat) if config.logprobs is not None else None for _ in configs]
+        stream = self.engine.streams(prompts, configs)
+        formats = [LogprobFormat(self.token_bytes, chat) if config.logprobs is not None else None for config in configs]
         if req.stream:
             # admission errors (503) still become a proper response; a client that leaves during a long
             # prefill, before the response has begun, is noticed here (later, by the streaming response)
             first = await unless_disconnected(anext(stream), request)
-            return StreamingResponse(self._events(head, first, stream, chat, req, formats), media_type="text/event-stream",
+            return StreamingResponse(self._events(head, first, stream, chat, req, formats, echo),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results, pieces = await unless_disconnected(self._collect(stream, len(configs)), request)
         choices = []
-        for i, (result, lp) in enumerate(zip(results, formats)):
-            choice: dict[str, Any] = {"index": i, "logprobs": lp(result.logprobs or []) if lp else None,
-                                      "finish_reason": FINISH[result.finish_reason]}
+        for i, (result, lp, ids) in enumerate(zip(results, formats, prompts)):
+            logprobs = None
+            if lp is not None:  # with echo, the prompt's entries first (its first token has none), then the answer's
+                prompt_part = lp.prompt(ids, result.prompt_logprobs or []) if echo is not None else None
+                logprobs = lp.joined(prompt_part, lp(result.logprobs or []))
+            choice: dict[str, Any] = {"index": i, "logprobs": logprobs, "finish_reason": FINISH[result.finish_reason]}
             if chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
-                choice["text"] = result.text
+                choice["text"] = (echo[i] if echo is not None else "") + result.text
             choices.append(choice)
         return JSONResponse({**head, "choices": choices, "usage": _usage(results),
                              "moaspec": _stats(results, pieces, self.engine.strategy.describe())})
@@ -286,7 +316,7 @@ class OpenAIRoutes:
 
     async def _events(self, head: dict[str, Any], first: tuple[int, Piece | GenerationResult],
                       stream: AsyncIterator[tuple[int, Piece | GenerationResult]], chat: bool, req: _Common,
-                      formats: list[LogprobFormat | None]) -> AsyncIterator[bytes]:
+                      formats: list[LogprobFormat | None], echo: list[str] | None) -> AsyncIterator[bytes]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         told = [0] * len(formats)  # log-probability entries sent so far, per choice
 
@@ -305,6 +335,8 @@ class OpenAIRoutes:
             for i in range(len(formats)):
                 yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
+        for i, text in enumerate(echo or []):  # (never with log-probabilities: those are answered whole)
+            yield _sse(chunk(i, text, None, ()))
         pieces: list[list[Piece]] = [[] for _ in formats]
         results: list[GenerationResult] = []
         method = self.engine.strategy.describe()
