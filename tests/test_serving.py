@@ -223,6 +223,30 @@ def test_completions_echo_and_batches_of_prompts(client, tiny_llama) -> None:  #
         client.completions.create(model=MODEL, prompt=[a, b], max_tokens=4, n=6)  # 12 > the server's 10 places
 
 
+def test_lm_evaluation_harness_payloads(server: str, tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """The two requests lm-evaluation-harness's ``local-completions`` sends, read as it reads the answers."""
+    tok = tiny_llama.tokenizer
+    context, continuation = encode_text(tok, "The quick brown fox"), encode_text(tok, " jumps over")
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        # loglikelihood: a batch of token lists, echoed, scored; the harness sums token_logprobs[ctxlen:-1]
+        out = http.post("/v1/completions", json={"model": MODEL, "prompt": [context + continuation, context],
+                                                 "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+                                                 "echo": True}).json()
+        choice = sorted(out["choices"], key=lambda c: c["index"])[0]
+        ctxlen = len(context)
+        got = sum(choice["logprobs"]["token_logprobs"][ctxlen:-1])
+        want = sum(target_logprobs(tiny_llama, context, continuation))
+        assert got == pytest.approx(want, abs=1e-3)
+        greedy = all(lp == max(top.values()) for lp, top in zip(choice["logprobs"]["token_logprobs"][ctxlen:-1],
+                                                                 choice["logprobs"]["top_logprobs"][ctxlen:-1]))
+        assert greedy == (vanilla(tiny_llama, context, len(continuation)).token_ids == continuation)
+        # generate_until: greedy with the task's stop strings and the end of text (more than OpenAI's 4)
+        out = http.post("/v1/completions", json={"model": MODEL, "prompt": [context], "max_tokens": 8, "temperature": 0,
+                                                 "stop": ["Question:", "\n\n", "</s>", "<|im_end|>", "<|endoftext|>"],
+                                                 "seed": 1234}).json()
+        assert out["choices"][0]["text"] == vanilla(tiny_llama, context, 8).text.split("\n\n")[0]
+
+
 def test_models_and_unknown_model(client) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -254,7 +278,7 @@ def test_authentication(server: str) -> None:
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 1}, "logprobs"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "assistant", "content": "hi"}]}, "last message"),
