@@ -219,6 +219,13 @@ def test_completions_echo_and_batches_of_prompts(client, tiny_llama) -> None:  #
     assert "".join(c.choices[0].text for c in streamed) == "The quick brown fox" + want.text
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=MODEL, prompt=a, max_tokens=4, echo=True, logprobs=1, stream=True)
+    # max_tokens 0: the prompt scored, nothing written
+    scored = client.completions.create(model=MODEL, prompt=a, max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == tok.decode(a) and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(a)]
+    for bad in ({"echo": False}, {"echo": True, "stream": True}):
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.completions.create(model=MODEL, prompt=a, max_tokens=0, **bad)
     with pytest.raises(openai.BadRequestError, match="choices"):
         client.completions.create(model=MODEL, prompt=[a, b], max_tokens=4, n=6)  # 12 > the server's 10 places
 

@@ -115,6 +115,7 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0 with echo: score the prompt, write nothing
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the completions API's is a count
 
     def alternatives(self) -> int | None:
@@ -247,10 +248,14 @@ class OpenAIRoutes:
         self._check_model(req.model)
         if req.echo and req.stream and req.logprobs is not None:
             raise APIError(400, "echo with logprobs is answered whole: ask for it without stream", param="echo")
+        scoring = req.max_tokens == 0  # the prompt's log-probabilities alone (one token is decoded, then dropped)
+        if scoring and (not req.echo or req.stream):
+            raise APIError(400, "max_tokens 0 scores the prompt: it needs echo, and is answered whole (no stream)",
+                           param="max_tokens")
         prompts = self._prompts(req)
-        configs = [self._config(req, len(ids), req.max_tokens, echo=req.echo) for ids, _ in prompts]
+        configs = [self._config(req, len(ids), 1 if scoring else req.max_tokens, echo=req.echo) for ids, _ in prompts]
         return await self._respond(req, request, [ids for ids, _ in prompts], configs, chat=False,
-                                   echoes=[text for _, text in prompts] if req.echo else None)
+                                   echoes=[text for _, text in prompts] if req.echo else None, scoring=scoring)
 
     def _choices(self, req: _Common, prompts: list[list[int]], configs: list[GenerationConfig]
                  ) -> tuple[list[list[int]], list[GenerationConfig]]:
@@ -268,8 +273,9 @@ class OpenAIRoutes:
         return [ids for ids in prompts for _ in range(req.n)], choices
 
     async def _respond(self, req: _Common, request: Request, prompts: list[list[int]], configs: list[GenerationConfig],
-                       chat: bool, echoes: list[str] | None = None) -> Any:
-        """Answer every prompt's choices; ``echoes``: each prompt's text, to put before its choices' text."""
+                       chat: bool, echoes: list[str] | None = None, scoring: bool = False) -> Any:
+        """Answer every prompt's choices; ``echoes``: each prompt's text, to put before its choices' text;
+        ``scoring``: keep none of the answers (max_tokens 0: the echoed prompt alone)."""
         prompts, configs = self._choices(req, prompts, configs)
         echo = [echoes[i // req.n] for i in range(len(configs))] if echoes is not None else None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -285,6 +291,8 @@ class OpenAIRoutes:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results, pieces = await unless_disconnected(self._collect(stream, len(configs)), request)
+        if scoring:
+            results = [replace(r, token_ids=[], text="", finish_reason="length", logprobs=[]) for r in results]
         choices = []
         for i, (result, lp, ids) in enumerate(zip(results, formats, prompts)):
             logprobs = None
