@@ -482,6 +482,27 @@ def test_over_capacity_gets_503_and_a_vanished_client_is_cancelled(tiny_llama) -
         engine.close()
 
 
+def test_the_choices_of_one_prompt_read_it_once(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    engine = Engine(tiny_llama, tiny_strategy(tiny_llama), parallel=3, max_queue=0)
+    prompt, other = list(range(5, 45)), list(range(50, 70))
+    greedy = GenerationConfig(max_new_tokens=8)
+
+    async def collect() -> dict[int, GenerationResult]:
+        return {i: item async for i, item in engine.streams([prompt, prompt, other], [greedy] * 3)
+                if isinstance(item, GenerationResult)}
+
+    try:
+        results = asyncio.run(collect())
+    finally:
+        engine.close()
+    # one of the two choices of `prompt` read it, the other copied all of it; `other` was read on its own
+    assert sorted(results[i].reused_prompt_tokens for i in (0, 1)) == [0, len(prompt)]
+    assert results[2].reused_prompt_tokens == 0
+    want = vanilla(tiny_llama, prompt, 8).token_ids  # the copy answers as a read would
+    assert results[0].token_ids == results[1].token_ids == want
+    assert results[2].token_ids == vanilla(tiny_llama, other, 8).token_ids
+
+
 def test_n_choices_are_admitted_together_or_not_at_all(tiny_llama) -> None:  # type: ignore[no-untyped-def]
     strategy = Controlled()
     engine = Engine(tiny_llama, strategy, parallel=1, max_queue=1)  # type: ignore[arg-type]

@@ -119,6 +119,35 @@ class PromptCache:
                 total -= old.nbytes
 
 
+class SharedRead:
+    """One prompt read once for several generations of it (a request's ``n`` choices, which start together, so
+    none would find it in a :class:`PromptCache`): the first to arrive reads it, the others wait and copy what it
+    read. The copy is dropped once ``users`` generations have taken it (or with this object)."""
+
+    def __init__(self, users: int) -> None:
+        self._lock = threading.Lock()
+        self._users = users
+        self._read: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, prompt_ids: Sequence[int], cache: KVCache,
+                 read: Callable[[], tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What ``read()`` returns for the first caller; for the others, its K/V copied into their empty ``cache``
+        (every prompt position counted as reused)."""
+        T = len(prompt_ids)
+        with self._lock:
+            self._users -= 1
+            if self._read is None:  # the first (or the first after one abandoned its read)
+                logits, hidden, reused = read()
+                if self._users > 0:
+                    self._read = (cache.keys[:, :, :, :T].clone(), cache.values[:, :, :, :T].clone(), logits, hidden)
+                return logits, hidden, reused
+            keys, values, logits, hidden = self._read
+            if self._users <= 0:
+                self._read = None
+        cache.load_prefix(keys, values, T)
+        return logits, hidden, T
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
     """How many first tokens ``a`` and ``b`` share (at most ``limit``)."""
     n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
@@ -131,15 +160,22 @@ class Prefill:
     abandon the generation there), starting after the longest prefix ``reuse`` holds; :meth:`keep` then
     stores the prompt and its answer there for the next request. ``threads``, asked before each chunk: how many CPU
     threads to read it with (a server gives a prefill that runs alone every core,
-    :class:`moaspec.cores.Cores`); the thread's own count is back when the prompt is read."""
+    :class:`moaspec.cores.Cores`); the thread's own count is back when the prompt is read. ``share``: the
+    other generations of the same prompt this one reads it with (:class:`SharedRead`)."""
 
     on_chunk: ChunkCallback | None = None
     reuse: PromptCache | None = None
     threads: Callable[[], int] | None = None
+    share: SharedRead | None = None
 
     def __call__(self, model: Transformer, prompt_ids: Sequence[int], cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Read ``prompt_ids`` into the empty ``cache``: the last position's logits ``[V]``, every prompt position's
-        final state ``[T, d]``, and how many leading positions came from ``reuse``."""
+        final state ``[T, d]``, and how many leading positions came from ``reuse`` (or ``share``)."""
+        if self.share is not None:
+            return self.share(prompt_ids, cache, lambda: self._read(model, prompt_ids, cache))
+        return self._read(model, prompt_ids, cache)
+
+    def _read(self, model: Transformer, prompt_ids: Sequence[int], cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
         n, entry = self.reuse.longest(prompt_ids) if self.reuse is not None else (0, None)
         if entry is not None:
             cache.load_prefix(entry.keys, entry.values, n)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from moaspec.batching import BatchedModel, ForwardBatcher
 from moaspec.cores import Cores, prefill_threads, working
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, TokenLogprob
-from moaspec.decoding.prefill import Prefill, PromptCache
+from moaspec.decoding.prefill import Prefill, PromptCache, SharedRead
 from moaspec.decoding.strategy import Strategy
 from moaspec.errors import MoaspecError
 from moaspec.heap import release_free_memory
@@ -120,6 +120,12 @@ class Engine:
             if cancel.is_set():
                 raise _Cancelled
 
+        # choices of one prompt read it once: they start together, so none would find it in the prompt cache
+        repeats: dict[tuple[int, ...], int] = {}
+        for prompt_ids in prompts:
+            repeats[tuple(prompt_ids)] = repeats.get(tuple(prompt_ids), 0) + 1
+        shares = {key: SharedRead(n) for key, n in repeats.items() if n > 1}
+
         def work(i: int, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
             def deliver(item: Piece | GenerationResult | BaseException) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, (i, item))
@@ -137,7 +143,8 @@ class Engine:
             try:
                 if not cancel.is_set():
                     with working(self.cores):
-                        prefill = Prefill(check, self.prompt_cache, prefill_threads(self.cores))
+                        prefill = Prefill(check, self.prompt_cache, prefill_threads(self.cores),
+                                          shares.get(tuple(prompt_ids)))
                         deliver(self.strategy.run(self._runs_on, prompt_ids, config, on_piece=on_piece, prefill=prefill,
                                                   on_logprobs=on_logprobs))
             except _Cancelled:

@@ -127,7 +127,8 @@ def _usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
     prompt, completion = results[0].prompt_tokens, sum(r.new_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             # OpenAI's name for the prompt tokens a cache supplied
-            "prompt_tokens_details": {"cached_tokens": max(r.reused_prompt_tokens for r in results)}}
+            # (the first choice's: the others copy what it read, or what it found cached)
+            "prompt_tokens_details": {"cached_tokens": min(r.reused_prompt_tokens for r in results)}}
 
 
 def _stats(results: Sequence[GenerationResult], pieces: Sequence[Piece], method: str) -> dict[str, Any]:
