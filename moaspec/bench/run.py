@@ -18,6 +18,7 @@ from typing import Any
 from moaspec.bench.journal import Journal
 from moaspec.bench.methods import Method
 from moaspec.chat import encode_chat
+from moaspec.decoding.generation import length_histogram
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.models.packed_linear import small_row_kernels
@@ -94,12 +95,11 @@ def summarise(rows: Sequence[dict[str, Any]], methods: Sequence[str], greedy: bo
 
 
 def accepted_histograms(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, int]]:
-    hist: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    lengths: dict[str, list[int]] = defaultdict(list)
     for r in rows:
         for t in r["turns"]:
-            for a in t["accepted_lengths"]:
-                hist[r["method"]][a] += 1
-    return {m: dict(sorted(h.items())) for m, h in hist.items()}
+            lengths[r["method"]] += t["accepted_lengths"]
+    return {m: length_histogram(ls) for m, ls in lengths.items()}
 
 
 def run_bench(target: LoadedModel, questions: Sequence[Question], methods: dict[str, Method], max_new: int,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,11 @@ class TokenLogprob:
 
 
 LogprobCallback = Callable[[Sequence[TokenLogprob]], None]  # the entries of the text about to be emitted
+
+
+def length_histogram(lengths: Iterable[int]) -> dict[int, int]:
+    """How many target calls added 1, 2, 3, ... tokens, given each call's count."""
+    return dict(sorted(Counter(lengths).items()))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
@@ -108,10 +114,7 @@ class GenerationResult:
 
     def accepted_histogram(self) -> dict[int, int]:
         """How many target calls added 1, 2, 3, ... tokens."""
-        hist: dict[int, int] = {}
-        for n in self.accepted_lengths:
-            hist[n] = hist.get(n, 0) + 1
-        return dict(sorted(hist.items()))
+        return length_histogram(self.accepted_lengths)
 
     @property
     def tau(self) -> float:

@@ -30,7 +30,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from moaspec.chat import encode_chat, encode_text, outside_vocabulary
-from moaspec.decoding.generation import MAX_TOP_LOGPROBS, GenerationConfig, GenerationResult, TokenLogprob
+from moaspec.decoding.generation import (
+    MAX_TOP_LOGPROBS,
+    GenerationConfig,
+    GenerationResult,
+    TokenLogprob,
+    length_histogram,
+)
 from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
 from moaspec.decoding.sampling import MAX_LOGIT_BIAS, SamplingParams
 from moaspec.errors import MoaspecError
@@ -134,14 +140,11 @@ def _usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
 def _stats(results: Sequence[GenerationResult], pieces: Sequence[Piece], method: str) -> dict[str, Any]:
     """How the choices were decoded, together (τ over every target call of every choice)."""
     accepted = [n for r in results for n in r.accepted_lengths]
-    histogram: dict[int, int] = {}
-    for n in accepted:
-        histogram[n] = histogram.get(n, 0) + 1
     total_s = max(r.total_s for r in results)
     return {
         "method": method, "tau": round(sum(accepted) / len(accepted) if accepted else 0.0, 4),
         "target_calls": sum(r.target_calls + 1 for r in results),  # + each choice's prefill
-        "accepted_histogram": dict(sorted(histogram.items())),
+        "accepted_histogram": length_histogram(accepted),
         "drafted_chars": sum(len(p.text) for p in pieces if p.drafted),
         "tokens_per_s": round(sum(r.new_tokens for r in results) / total_s if total_s > 0 else 0.0, 2),
         "prefill_s": round(max(r.prefill_s for r in results), 4), "total_s": round(total_s, 4),
