@@ -68,11 +68,14 @@ class Run:
     counts: torch.Tensor | None = None  # how often each token occurs in the answer, with penalties only
     scored: list[TokenLogprob | None] | None = None  # the prompt's tokens' log-probabilities, when asked
 
-    def adjusted(self, logits: torch.Tensor, nodes: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    def adjusted(self, logits: torch.Tensor, nodes: torch.Tensor, ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """A verification's logits with the logit bias and the presence/frequency penalties, each row penalised
-        by the text before it (``nodes``: the verified tokens, the answer's newest first; ``ancestors`` as a tree's)."""
+        by the text before it (``nodes``: the verified tokens, the answer's newest first; ``ancestors`` as a tree's,
+        None for a chain, where each node is below the one before)."""
         if self.counts is None:  # no penalties: a logit bias at most
             return adjust(logits, self.params)
+        if ancestors is None:
+            ancestors = torch.ones(len(nodes), len(nodes), dtype=torch.bool).tril()
         return adjust(logits, self.params, path_counts(self.counts, nodes, ancestors))
 
     def count(self, new: Sequence[int]) -> None:
@@ -122,12 +125,12 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     gen = config.sampling.generator(model.device)
     t0 = time.perf_counter()
     logits, hidden, reused = prefill(model, prompt_ids, cache)
+    scored = None if config.prompt_logprobs is None else prompt_logprobs(model.lm_head, prompt_ids, hidden,
+                                                                          config.prompt_logprobs)
     tokens = list(prompt_ids) + [select_token(adjust(logits, config.sampling), config.sampling, gen)]
     resumable = proposer if prefill.reuse is not None and isinstance(proposer, Resumable) else None
     run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
-              prefill, [hidden], reused, resumable)
-    if config.prompt_logprobs is not None:
-        run.scored = prompt_logprobs(model.lm_head, prompt_ids, hidden, config.prompt_logprobs)
+              prefill, [hidden], reused, resumable, scored=scored)
     if config.sampling.penalized:
         run.counts = torch.zeros(model.cfg.vocab_size, device=logits.device)
         run.count(tokens[-1:])
@@ -169,7 +172,7 @@ def generate_chain(
         n_cached = cache.length
         chain = torch.tensor([tokens[-1]] + proposal.tokens.tolist(), device=model.device)
         out = model(chain[None], cache)
-        logits = run.adjusted(out.logits[0], chain, torch.ones(len(chain), len(chain), dtype=torch.bool).tril())
+        logits = run.adjusted(out.logits[0], chain)
         if params.greedy:
             verdict = verify_greedy(proposal.tokens, logits)
         else:

@@ -59,12 +59,14 @@ def generate(
                                                                           config.prompt_logprobs)
     prefill_s = time.perf_counter() - t0
     calls, states = 0, [hidden]
-    counts = torch.zeros(model.cfg.vocab_size, device=logits.device)  # the answer's tokens, for the penalties
+    # the answer's tokens, for the penalties only
+    counts = torch.zeros(model.cfg.vocab_size, device=logits.device) if config.sampling.penalized else None
     while True:
         token = select_token(adjust(logits, config.sampling, counts), config.sampling, gen)
         if sink.push([token], scores=logits[None]):
             break
-        counts[token] += 1
+        if counts is not None:
+            counts[token] += 1
         out = model(torch.tensor([[sink.tokens[-1]]], device=model.device), cache)
         logits = out.logits[0, -1]
         if prefill.reuse is not None:  # kept only for a prompt cache to store
