@@ -202,6 +202,11 @@ def test_completions_echo_and_batches_of_prompts(client, tiny_llama) -> None:  #
     resp = client.completions.create(model=MODEL, prompt=[a, b], temperature=0, max_tokens=6, n=2)
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     assert [c.text for c in resp.choices] == [vanilla(tiny_llama, a, 6).text] * 2 + [vanilla(tiny_llama, b, 6).text] * 2
+    assert len(a) != len(b) and resp.usage.prompt_tokens == len(a) + len(b)  # each prompt once, however many choices
+    streamed = list(client.completions.create(model=MODEL, prompt=[a, b], temperature=0, max_tokens=6, n=2,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens == len(a) + len(b)
+    assert streamed[-1].usage.completion_tokens == resp.usage.completion_tokens
     # echo: the prompt's text before the answer, and with logprobs the prompt tokens' log-probabilities too
     resp = client.completions.create(model=MODEL, prompt=[a], temperature=0, max_tokens=4, echo=True, logprobs=1)
     want = vanilla(tiny_llama, a, 4)

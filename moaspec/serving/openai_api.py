@@ -128,13 +128,15 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
-def _usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
-    """Token counts of a response: its prompt once, every choice's completion."""
-    prompt, completion = results[0].prompt_tokens, sum(r.new_tokens for r in results)
+def _usage(results: Sequence[GenerationResult], n: int) -> dict[str, Any]:
+    """Token counts of a response: each prompt once, every choice's completion (``results`` in index order, each
+    prompt's ``n`` choices together)."""
+    per_prompt = [results[p : p + n] for p in range(0, len(results), n)]
+    prompt, completion = sum(c[0].prompt_tokens for c in per_prompt), sum(r.new_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            # OpenAI's name for the prompt tokens a cache supplied
-            # (the first choice's: the others copy what it read, or what it found cached)
-            "prompt_tokens_details": {"cached_tokens": min(r.reused_prompt_tokens for r in results)}}
+            # OpenAI's name for the prompt tokens a cache supplied: per prompt, its first choice's (the others
+            # copy what that one read, or what it found cached)
+            "prompt_tokens_details": {"cached_tokens": sum(min(r.reused_prompt_tokens for r in c) for c in per_prompt)}}
 
 
 def _stats(results: Sequence[GenerationResult], pieces: Sequence[Piece], method: str) -> dict[str, Any]:
@@ -309,7 +311,7 @@ class OpenAIRoutes:
             else:
                 choice["text"] = (echo[i] if echo is not None else "") + result.text
             choices.append(choice)
-        return JSONResponse({**head, "choices": choices, "usage": _usage(results),
+        return JSONResponse({**head, "choices": choices, "usage": _usage(results, req.n),
                              "moaspec": _stats(results, pieces, self.engine.strategy.describe())})
 
     @staticmethod
@@ -352,14 +354,14 @@ class OpenAIRoutes:
         for i, text in enumerate(echo or []):  # (never with log-probabilities: those are answered whole)
             yield _sse(chunk(i, text, None, ()))
         pieces: list[list[Piece]] = [[] for _ in formats]
-        results: list[GenerationResult] = []
+        results: dict[int, GenerationResult] = {}
         method = self.engine.strategy.describe()
         async with aclosing(stream):
             i, item = first
             while True:
                 if isinstance(item, GenerationResult):
                     # the entries of tokens whose text never came out (held back as a possible stop string) end it
-                    results.append(item)
+                    results[i] = item
                     yield _sse(chunk(i, None, FINISH[item.finish_reason], (item.logprobs or [])[told[i]:],
                                      moaspec=_stats([item], pieces[i], method)))
                     if len(results) == len(formats):
@@ -369,5 +371,5 @@ class OpenAIRoutes:
                     yield _sse(chunk(i, item.text, None, item.logprobs, moaspec={"drafted": item.drafted}))
                 i, item = await anext(stream)
         if req.stream_options and req.stream_options.include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(results)})
+            yield _sse({**head, "choices": [], "usage": _usage([results[i] for i in range(len(results))], req.n)})
         yield _sse("[DONE]")
