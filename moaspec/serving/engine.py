@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -121,10 +122,7 @@ class Engine:
                 raise _Cancelled
 
         # choices of one prompt read it once: they start together, so none would find it in the prompt cache
-        repeats: dict[tuple[int, ...], int] = {}
-        for prompt_ids in prompts:
-            repeats[tuple(prompt_ids)] = repeats.get(tuple(prompt_ids), 0) + 1
-        shares = {key: SharedRead(n) for key, n in repeats.items() if n > 1}
+        shares = {key: SharedRead(n) for key, n in Counter(tuple(p) for p in prompts).items() if n > 1}
 
         def work(i: int, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
             def deliver(item: Piece | GenerationResult | BaseException) -> None:
