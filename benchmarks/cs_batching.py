@@ -24,7 +24,7 @@ from pathlib import Path
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.decoding import GenerationConfig
-from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.models import load_model
 from moaspec.specbench import load_questions

@@ -19,8 +19,8 @@ import torch
 
 from moaspec.chat import encode_chat
 from moaspec.decoding.batched import Request, generate_many
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.models import load_model
 from moaspec.training.datagen import TASKS, pre_query_prefix, usable_query
 

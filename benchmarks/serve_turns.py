@@ -35,7 +35,7 @@ from moaspec.chat import encode_chat
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import PROFILES, NetworkProxy
 from moaspec.decoding import GenerationConfig
-from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.models import load_model
 from moaspec.models.loading import LoadedModel, load_tokenizer

@@ -18,7 +18,7 @@ import torch
 
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
-from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.models import load_model
 from moaspec.specbench import load_questions
 

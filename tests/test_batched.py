@@ -7,8 +7,8 @@ import torch
 
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.batched import Request, generate_many
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.models import transformer
 
 

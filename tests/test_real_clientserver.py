@@ -11,8 +11,8 @@ from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import PROFILES, NetworkProxy
 from moaspec.clientserver.sessions import SessionStore
 from moaspec.decoding import GenerationConfig, generate
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.strategy import Strategy
-from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.serving import Engine, create_app
 from servers import running

@@ -7,7 +7,7 @@ import torch
 
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
-from moaspec.decoding.vanilla import stop_token_ids
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.errors import MoaspecError, PromptError
 from moaspec.models import load_model_dir
 

@@ -22,11 +22,11 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationResult
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
 from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
-from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.checkpoint import KINDS

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from moaspec.chat import chat_messages, encode_chat
     from moaspec.clientserver.client import RemoteTarget, ServerUnreachable, SplitGeneration
     from moaspec.decoding import GenerationConfig, SamplingParams
-    from moaspec.decoding.vanilla import stop_token_ids
+    from moaspec.decoding.opening import stop_token_ids
     from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.moa import MoADrafter
     from moaspec.errors import PromptError

@@ -45,9 +45,9 @@ from moaspec.chat import chat_messages, encode_chat
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import NetworkProxy, Profile
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.prefill import common_prefix
 from moaspec.decoding.tree import TreeShape
-from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.moa import MoADrafter
 from moaspec.errors import MoaspecError

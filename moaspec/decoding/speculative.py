@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from moaspec.chat import check_fits
 from moaspec.decoding.generation import (
     GenerationConfig,
     GenerationResult,
@@ -28,12 +27,11 @@ from moaspec.decoding.generation import (
     TextCallback,
     TokenLogprob,
     TokenSink,
-    prompt_logprobs,
 )
+from moaspec.decoding.opening import open_generation
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import Proposer, Resumable
 from moaspec.decoding.sampling import SamplingParams, adjust, path_counts, probabilities, select_token
-from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
@@ -112,34 +110,23 @@ class Run:
 def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_ids: Sequence[int],
           config: GenerationConfig, room: int, on_text: TextCallback | None, on_piece: PieceCallback | None,
           prefill: Prefill = Prefill(), on_logprobs: LogprobCallback | None = None) -> Run:
-    """Check the prompt, read it (as ``prefill`` says), pick the first token, and start the proposer.
+    """Open the generation (:func:`~moaspec.decoding.opening.open_generation`), pick the first token, and start
+    the proposer.
 
     ``room`` is how many positions past the budget a verification may write.
     """
-    context = model.cfg.max_position_embeddings
-    check_fits(len(prompt_ids), context)
-    config.sampling.check_vocabulary(model.cfg.vocab_size)
-    budget = min(config.max_new_tokens, context - len(prompt_ids))
-    cache = model.new_cache(min(len(prompt_ids) + budget + room, context))
-    sink = TokenSink(tokenizer, config, stop_token_ids(model, tokenizer), budget, on_text, on_piece, on_logprobs)
-    gen = config.sampling.generator(model.device)
-    t0 = time.perf_counter()
-    logits, hidden, reused = prefill(model, prompt_ids, cache)
-    scored = None if config.prompt_logprobs is None else prompt_logprobs(model.lm_head, prompt_ids, hidden,
-                                                                          config.prompt_logprobs)
-    tokens = list(prompt_ids) + [select_token(adjust(logits, config.sampling), config.sampling, gen)]
+    o = open_generation(model, tokenizer, prompt_ids, config, prefill, room, on_text, on_piece, on_logprobs)
+    tokens = list(prompt_ids) + [select_token(adjust(o.logits, config.sampling), config.sampling, o.generator)]
     resumable = proposer if prefill.reuse is not None and isinstance(proposer, Resumable) else None
-    run = Run(model, cache, sink, config.sampling, gen, tokens, len(prompt_ids), budget, t0, time.perf_counter() - t0,
-              prefill, [hidden], reused, resumable, scored=scored)
-    if config.sampling.penalized:
-        run.counts = torch.zeros(model.cfg.vocab_size, device=logits.device)
-        run.count(tokens[-1:])
-    if not sink.push(tokens[-1:], scores=logits[None]):
+    run = Run(model, o.cache, o.sink, config.sampling, o.generator, tokens, len(prompt_ids), o.budget, o.t0,
+              o.prefill_s, prefill, [o.hidden], o.reused, resumable, counts=o.counts, scored=o.scored)
+    run.count(tokens[-1:])
+    if not o.sink.push(tokens[-1:], scores=o.logits[None]):
         with prefill.reading():
             if resumable is not None:
-                resumable.begin(cache, hidden, prefill.known(resumable, prompt_ids[:reused]))
+                resumable.begin(o.cache, o.hidden, prefill.known(resumable, prompt_ids[:o.reused]))
             else:
-                proposer.begin(cache, hidden)
+                proposer.begin(o.cache, o.hidden)
     return run
 
 

@@ -32,8 +32,8 @@ import torch
 
 from moaspec.chat import encode_chat, render_chat
 from moaspec.decoding.batched import Request, generate_many
+from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.vanilla import stop_token_ids
 from moaspec.errors import MoaspecError, PromptError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
