@@ -202,6 +202,45 @@ def test_drafters_load_in_the_drafting_dtype_with_one_fingerprint(tiny_llama, tm
     assert default.fingerprint() == exact.fingerprint()
 
 
+def test_bf16_drafters_keep_their_caches_in_fp32_on_a_cpu(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """torch's CPU attention is slow for one bf16 query (BENCHMARKS.md, "The drafter's caches in fp32"), so a bf16
+    drafter's own caches are fp32 there. They hold the bf16 K/V exactly, so a step drafts as with bf16 caches up to
+    the attention's rounding: the same draft, near-identical logits."""
+    from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+    from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
+
+    cfg = tiny_llama.cfg
+    torch.manual_seed(0)
+    moa = MoADrafter(MoAConfig.for_target(cfg)).to(torch.bfloat16)
+    eagle = EagleDrafter(EagleConfig.for_target(cfg)).to(torch.bfloat16)
+    independent = IndependentDrafter(IndependentConfig.for_target(cfg, layers=1)).to(torch.bfloat16)
+    for d in (moa, eagle, independent):
+        d.attach(tiny_llama.model)
+        d.eval()
+    assert moa.cache_dtype == eagle.cache_dtype == independent.cache_dtype == torch.float32
+    assert make_drafter(tiny_llama).cache_dtype == torch.float32  # fp32 weights: fp32 caches, as always
+    state = moa.new_state(64)
+    assert state.sa.keys.dtype == state.memory.keys.dtype == torch.float32
+    assert eagle.new_cache(64).keys.dtype == independent.new_cache(64).keys.dtype == torch.float32
+
+    target = tiny_llama.model
+    prompt = torch.tensor([[5, 17, 42, 7, 9, 11, 3, 8]])
+    cache = target.new_cache(64)
+    out = target(prompt, cache)
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        st = moa.new_state(64)
+        if dtype == torch.bfloat16:  # the caches as they were before: in the weights' dtype
+            st = type(st)(sa=KVCache(1, cfg.num_kv_heads, cfg.head_dim, 64, 1, dtype, "cpu"),
+                          memory=KVCache(1, cfg.num_kv_heads, cfg.head_dim, 64, 1, dtype, "cpu"))
+        moa.observe(st, cache, 8, out.hidden[0])
+        moa.step(st, prompt, torch.arange(8), None, 1)  # SA catches up on the prompt
+        logits[dtype] = moa.step(st, torch.tensor([[4]]), torch.tensor([8]), None, 1).float()
+        assert st.sa.keys.dtype == st.memory.keys.dtype == dtype
+    assert logits[torch.float32].argmax() == logits[torch.bfloat16].argmax()
+    torch.testing.assert_close(logits[torch.float32], logits[torch.bfloat16], atol=0.05, rtol=0.02)
+
+
 def test_fp16_checkpoint_is_half_the_size_and_close(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     drafter = make_drafter(tiny_llama)
     full = save_drafter(drafter, tmp_path / "f32", target_identity(tiny_llama), dtype=torch.float32)

@@ -183,6 +183,20 @@ class Drafter(nn.Module):
     def weight_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of the drafter's own K/V caches: its weights', but fp32 for bf16 weights on a CPU.
+
+        torch's CPU attention kernel is slow for one bf16 query: over 1,000 cached keys it took
+        475 µs against 57 µs in fp32, and 163 µs for four queries (torch 2.13, AMD EPYC with
+        AVX-512 bf16; BENCHMARKS.md, "The drafter's caches in fp32"). A drafting step asks one query
+        of SA's cache and one of CA's memory, so bf16 caches cost more than the drafter's weights
+        take to read. Queries are cast to the cache's dtype, outputs back to the weights'.
+        """
+        dtype = self.weight_dtype
+        cpu = next(self.parameters()).device.type == "cpu"
+        return torch.float32 if cpu and dtype == torch.bfloat16 else dtype
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[B or 1, 1, T, head_dim]`` for token positions ``[T]`` or ``[B, T]``."""
         pos = positions if positions.dim() == 2 else positions[None]

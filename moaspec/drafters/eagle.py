@@ -98,7 +98,7 @@ class EagleDrafter(Drafter):
 
     def new_cache(self, capacity: int) -> KVCache:
         p = next(self.parameters())
-        return KVCache(1, self.cfg.kv_heads, self.cfg.head_dim, capacity, 1, p.dtype, p.device)
+        return KVCache(1, self.cfg.kv_heads, self.cfg.head_dim, capacity, 1, self.cache_dtype, p.device)
 
     @torch.inference_mode()
     def step(self, cache: KVCache, tokens: torch.Tensor, prev_features: torch.Tensor, positions: torch.Tensor,

@@ -79,7 +79,8 @@ class IndependentDrafter(Drafter):
 
     def new_cache(self, capacity: int, batch_size: int = 1) -> KVCache:
         p = self.norm
-        return KVCache(self.cfg.layers, self.cfg.kv_heads, self.cfg.head_dim, capacity, batch_size, p.dtype, p.device)
+        return KVCache(self.cfg.layers, self.cfg.kv_heads, self.cfg.head_dim, capacity, batch_size, self.cache_dtype,
+                       p.device)
 
     def _run(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Final-normed states ``[B, T, d]`` of ``tokens`` after ``cache.length`` cached ones; advances the cache."""

@@ -72,8 +72,9 @@ class DraftAttention(nn.Module):
         q = apply_rope(self.q(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), cos, sin)
         if mask is not None and mask.dim() == 3:
             mask = mask[:, None]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+        # a cache may be kept in another dtype than the weights (Drafter.cache_dtype): attend in the cache's
+        y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -310,7 +310,7 @@ class MoADrafter(Drafter):
     # --- inference ----------------------------------------------------------------------
 
     def new_state(self, capacity: int, batch_size: int = 1) -> MoAState:
-        dtype, device = self.weight_dtype, self.lsa_proj.weight.device
+        dtype, device = self.cache_dtype, self.lsa_proj.weight.device
         sa = KVCache(1, self.cfg.kv_heads, self.cfg.head_dim, capacity, batch_size, dtype, device)
         memory = KVCache(1, self.cfg.kv_heads, self.cfg.head_dim, capacity, batch_size, dtype, device)
         return MoAState(sa=sa, memory=memory)
