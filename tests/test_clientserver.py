@@ -1056,8 +1056,10 @@ def test_sessions_verified_together_get_the_answers_they_get_alone(tiny_llama, d
     from moaspec.batching import ForwardBatcher
 
     model = tiny_llama.model
-    run_many = model.forward_many
-    monkeypatch.setattr(model, "forward_many", lambda calls: time.sleep(0.02) or run_many(calls))  # let the queue fill
+    run_one, run_many = model.forward, model.forward_many
+    # every forward slow enough that the others line up behind it, even when the machine's threads wake late
+    monkeypatch.setattr(model, "forward", lambda *args, **kwargs: time.sleep(0.02) or run_one(*args, **kwargs))
+    monkeypatch.setattr(model, "forward_many", lambda calls: time.sleep(0.02) or run_many(calls))
     batcher = ForwardBatcher(model)
     together = SessionStore(tiny_llama, drafter, Limits(max_draft=8), batcher=batcher)
     alone = SessionStore(tiny_llama, drafter, Limits(max_draft=8))
