@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moaspec.decoding import GenerationConfig
+from moaspec.decoding import GenerationConfig, SamplingParams
 from moaspec.decoding.speculative import generate_chain
 from moaspec.drafters.checkpoint import DrafterError, drafting_dtype, load_drafter, save_drafter, target_identity
 from moaspec.drafters.moa import MoAConfig, MoADrafter
@@ -239,6 +239,17 @@ def test_bf16_drafters_keep_their_caches_in_fp32_on_a_cpu(tiny_llama) -> None:  
         assert st.sa.keys.dtype == st.memory.keys.dtype == dtype
     assert logits[torch.float32].argmax() == logits[torch.bfloat16].argmax()
     torch.testing.assert_close(logits[torch.float32], logits[torch.bfloat16], atol=0.05, rtol=0.02)
+
+    # what a prompt cache keeps of the drafter's state: bf16 again, losing nothing, at half the bytes
+    proposer = proposer_for(moa)
+    proposer.begin(cache, out.hidden[0])
+    proposer.propose(prompt[0].tolist() + [4], 2, SamplingParams(), None)
+    kept = proposer.kept()
+    assert kept.dtype == torch.bfloat16 and kept.shape[0] == 8
+    resumed = proposer_for(moa)
+    resumed.begin(cache, out.hidden[0], known=kept)
+    for a, b in zip(proposer._per_position(proposer.state), resumed._per_position(resumed.state)):
+        assert torch.equal(a[..., :8, :], b[..., :8, :])
 
 
 def test_fp16_checkpoint_is_half_the_size_and_close(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -248,10 +248,12 @@ class MoAProposer(DrafterProposer):
 
     def kept(self) -> torch.Tensor:
         """``[n, 4, kv_heads, head_dim]``: CA's key and value of each verified position's memory entry, then
-        SA's key and value of its token (n: the positions that have both)."""
+        SA's key and value of its token (n: the positions that have both). In the drafter's weight dtype: caches kept
+        in fp32 for a bf16 drafter (``Drafter.cache_dtype``) hold bf16 values, so this is exact at half the bytes."""
         assert self.state is not None
         n = min(self.state.sa.length, self.state.memory.length)
-        return torch.stack([c[0, 0, :, :n] for c in self._per_position(self.state)]).permute(2, 0, 1, 3)
+        rows = torch.stack([c[0, 0, :, :n] for c in self._per_position(self.state)]).permute(2, 0, 1, 3)
+        return rows.to(self.drafter.weight_dtype)
 
     def _resume(self, hidden: torch.Tensor | None, known: torch.Tensor | None) -> None:
         """Begin from ``known`` rows (:meth:`kept`'s) for the first positions, or from nothing."""
