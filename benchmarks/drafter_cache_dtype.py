@@ -47,10 +47,12 @@ def drafting_alone(lm: moaspec.SpeculativeModel, prompt: list[int]) -> tuple[flo
 
 
 @contextmanager
-def caches_like_weights() -> Iterator[None]:
-    """Drafters' caches in their weights' dtype (bf16 here), as before ``cache_dtype`` existed."""
+def caches_in(dtype: str) -> Iterator[None]:
+    """Drafters' caches as ``cache_dtype`` chooses ("float32" for bf16 drafters on a CPU) or, for "bfloat16", in
+    their weights' dtype, as before ``cache_dtype`` existed."""
     chosen = Drafter.cache_dtype
-    Drafter.cache_dtype = property(lambda self: self.weight_dtype)  # type: ignore[method-assign,assignment]
+    if dtype == "bfloat16":
+        Drafter.cache_dtype = property(lambda self: self.weight_dtype)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -76,10 +78,7 @@ def main() -> None:
         for name, model in methods.items():
             texts = set()
             for cache in CACHE_DTYPES if i % 2 == 0 else CACHE_DTYPES[::-1]:
-                if cache == "bfloat16":
-                    with caches_like_weights():
-                        out = model.generate(prompt, max_new_tokens=args.max_new_tokens)
-                else:
+                with caches_in(cache):
                     out = model.generate(prompt, max_new_tokens=args.max_new_tokens)
                 t = totals[(name, cache)]
                 t["s"] += out.total_s
@@ -103,26 +102,24 @@ def main() -> None:
             print(f"  {name:32s} {cache:8s} caches: {row['tokens_per_s']:6.2f} tok/s ({row['vs_bf16_caches']:.3f}x), "
                   f"drafting {row['draft_ms_per_cycle']:.2f} ms/cycle, tau {row['tau']:.3f}")
     alone = {c: 0.0 for c in CACHE_DTYPES}
+    same = 0  # prompts after which both cache dtypes drafted the same ALONE tokens
     for i, prompt in enumerate(prompts):
         ids = encode_chat(lm.tokenizer, prompt)
         drafted = []
         for cache in CACHE_DTYPES if i % 2 == 0 else CACHE_DTYPES[::-1]:
-            if cache == "bfloat16":
-                with caches_like_weights():
-                    seconds, drafts = drafting_alone(lm, ids)
-            else:
+            with caches_in(cache):
                 seconds, drafts = drafting_alone(lm, ids)
             alone[cache] += seconds
             drafted.append(drafts)
-        rows.setdefault("alone_same_drafts", 0)
-        rows["alone_same_drafts"] += drafted[0] == drafted[1]
+        same += drafted[0] == drafted[1]
+    rows["alone_same_drafts"] = same
     for cache in CACHE_DTYPES:
         rate = ALONE * len(prompts) / alone[cache]
         rows[f"moa alone, {cache} caches"] = {"drafted_tokens_per_s": round(rate, 1),
                                                "vs_bf16_caches": round(alone["bfloat16"] / alone[cache], 3)}
         print(f"  moa drafting {ALONE} tokens alone, {cache:8s} caches: {rate:6.1f} drafted tok/s "
               f"({alone['bfloat16'] / alone[cache]:.3f}x)")
-    print(f"  the same {ALONE} drafts with both cache dtypes after {rows['alone_same_drafts']} of {len(prompts)} prompts")
+    print(f"  the same {ALONE} drafts with both cache dtypes after {same} of {len(prompts)} prompts")
     write_results(args, prompts=len(prompts), settings=rows)
 
 

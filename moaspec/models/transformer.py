@@ -168,10 +168,12 @@ class Attention(nn.Module):
         else:
             k_cache[:, :, start:end], v_cache[:, :, start:end] = k, v
             keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
-        # a drafter's cache may be kept in another dtype than its weights (Drafter.cache_dtype): attend in the cache's
-        y = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask,
+        # a drafter's cache may be kept in another dtype than its weights (Drafter.cache_dtype): attend in the cache's.
+        # Checked, not cast blindly: the target's own forwards (the hot path) never differ, and a no-op cast costs ~1 µs
+        differs = keys.dtype != q.dtype
+        y = F.scaled_dot_product_attention(q.to(keys.dtype) if differs else q, keys, values, attn_mask=mask,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
-        return y.to(qkv.dtype).transpose(1, 2).reshape(B, T, -1)
+        return (y.to(qkv.dtype) if differs else y).transpose(1, 2).reshape(B, T, -1)
 
 
 class MLP(nn.Module):
