@@ -75,8 +75,9 @@ def split(tiny_llama, drafter, url: str, max_new: int, **kw):  # type: ignore[no
     remote = RemoteTarget(url, KEY, timeout=kw.pop("timeout", 10.0), retries=kw.pop("retries", 1), backoff=0.01)
     sampling = kw.pop("sampling", SamplingParams())
     prompt = kw.pop("prompt", PROMPT)
+    logprobs = kw.pop("logprobs", None)
     gen = SplitGeneration(drafter, tiny_llama.tokenizer, remote, set(), max_draft=8, **kw)
-    cfg = GenerationConfig(max_new_tokens=max_new, ignore_eos=True, sampling=sampling)
+    cfg = GenerationConfig(max_new_tokens=max_new, ignore_eos=True, sampling=sampling, logprobs=logprobs)
     result = gen.run(prompt, cfg, tiny_llama.cfg.max_position_embeddings)
     remote.shutdown()
     return result
@@ -399,6 +400,18 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temperature": 1, "top_p": 0}}}, 400, "top_p"),
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temperature": 1, "seed": 2**64}}}, 400, "seed"),
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"temp": 1}}}, 400, "temp"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"presence_penalty": 3}}}, 400,
+             "presence_penalty"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"logit_bias": {"abc": 1}}}}, 400,
+             "logit_bias keys are token ids"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"logit_bias": {str(vocab): 1}}}}, 400,
+             f"[0, {vocab})"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "sampling": {"logit_bias": {"5": 101}}}}, 400,
+             "logit_bias"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "answer_start": len(PROMPT) + 1}}, 400,
+             "answer_start must be in"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "logprobs": 21}}, 400, "logprobs"),
+            (("POST", "/sessions"), {"json": {"prompt": PROMPT, "logprobs": True}}, 400, "logprobs"),
             (("POST", "/sessions"), {"json": {"prompt": [1, True]}}, 400, "prompt"),  # JSON's true is no token id
             (("POST", "/sessions"), {"json": {"prompt": PROMPT, "max_new_tokens": 2.5}}, 400, "max_new_tokens"),
             (("POST", "/sessions"), {"content": b"{oops", "headers": {"Content-Type": "application/json"}}, 400, "JSON"),
@@ -691,6 +704,98 @@ def test_feature_and_independent_clients_are_lossless_and_resync_after_a_cut(tin
     assert result.token_ids == vanilla(tiny_llama, 30)
 
 
+# --- penalties, a logit bias and log-probabilities ------------------------------------------
+
+REPEATING = [200, 3, 3, 3, 3, 9, 3, 3, 3]  # a prompt the tiny target continues with repeats: penalties bite
+ADJUSTED = SamplingParams(presence_penalty=0.7, frequency_penalty=0.9, logit_bias=((3, -100.0), (9, 1.5)))
+
+
+@pytest.fixture(scope="module")
+def twin(tiny_llama):  # type: ignore[no-untyped-def]
+    """The target's own blocks as an independent drafter: it drafts the plain argmax, which the adjustments overrule."""
+    from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
+
+    d = IndependentDrafter(IndependentConfig.for_target(tiny_llama.cfg, layers=tiny_llama.cfg.num_layers))
+    d.copy_target_layers(tiny_llama.model)
+    d.attach(tiny_llama.model)
+    return d.eval()
+
+
+@pytest.mark.parametrize("how", ["chain", "tree", "lookup", "cut", "expire"])
+def test_penalties_and_a_logit_bias_over_the_network_equal_plain_decoding(tiny_llama, twin, drafter, how) -> None:  # type: ignore[no-untyped-def]
+    """The server adjusts each verified row by the answer and the drafts on its path, as one device does; a session
+    reopened after it expired (while the client wrote alone) counts the answer from where it began."""
+    want = generate(tiny_llama.model, tiny_llama.tokenizer, REPEATING,
+                    GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=ADJUSTED)).token_ids
+    unadjusted = generate(tiny_llama.model, tiny_llama.tokenizer, REPEATING,
+                          GenerationConfig(max_new_tokens=40, ignore_eos=True)).token_ids
+    assert want != unadjusted and 3 not in want  # the adjustments change the answer; the bias bans token 3
+    kw = {"tree": TreeShape(depth=3, top_k=2, total=6)} if how == "tree" else {"lookup": 4} if how == "lookup" else {}
+    with running(make_app(tiny_llama, drafter, ttl_s=0.3 if how == "expire" else 300)) as url:
+        if how in ("cut", "expire"):
+            proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
+            cut = cut_after(proxy, 4, restore_after=4)
+
+            def piece(text: str, kind: str) -> None:
+                cut(text, kind)
+                if how == "expire" and kind == "unverified":
+                    time.sleep(0.2)  # long enough offline for the session to expire
+
+            try:
+                result = split(tiny_llama, twin, proxy.url, 40, prompt=REPEATING, sampling=ADJUSTED, draft_len=3,
+                               timeout=2.0, retry_every=2, on_piece=piece)
+            finally:
+                proxy.stop()
+            assert result.offline_tokens > 0 and result.resyncs >= 1
+        else:
+            result = split(tiny_llama, twin, url, 40, prompt=REPEATING, sampling=ADJUSTED, draft_len=3, **kw)
+    assert result.token_ids == want and result.unverified == 0
+    assert any(n > 1 for n in result.accepted_lengths)  # drafts were accepted: rows past the first were adjusted
+    assert any(n == 1 for n in result.accepted_lengths)  # and some refused: the adjustments overruled the drafter
+
+
+def test_a_tree_row_is_penalised_by_its_own_path_not_its_siblings(tiny_llama, drafter) -> None:  # type: ignore[no-untyped-def]
+    """Root's children [c, b]: the target takes b, then c. Counting the sibling c before c's own row would
+    penalise the very token the target takes there."""
+    harsh = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0)
+    plain = generate(tiny_llama.model, tiny_llama.tokenizer, PROMPT,
+                     GenerationConfig(max_new_tokens=3, ignore_eos=True, sampling=harsh)).token_ids
+    first, b, c = plain
+    assert len({first, b, c}) == 3
+    store = SessionStore(tiny_llama, drafter)
+    opened = store.open(PROMPT, "none", sampling=harsh)
+    assert opened["token"] == first
+    answer = store.verify(opened["session"], opened["verified"], [c, b], parents=[0, 0])
+    assert (answer["path"], answer["token"]) == ([2], c)
+
+
+@pytest.mark.parametrize("how", ["chain", "tree", "cut"])
+def test_the_server_sends_the_targets_own_logprobs(tiny_llama, twin, drafter, how) -> None:  # type: ignore[no-untyped-def]
+    """Each verified token's log-probability and alternatives, as one device reports them (a tail written
+    alone gets its entries once it is verified)."""
+    local = generate(tiny_llama.model, tiny_llama.tokenizer, PROMPT,
+                     GenerationConfig(max_new_tokens=30, ignore_eos=True, logprobs=3))
+    with running(make_app(tiny_llama, drafter)) as url:
+        if how == "cut":
+            proxy = NetworkProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), PROFILES["lan"]).start()
+            try:
+                result = split(tiny_llama, twin, proxy.url, 30, draft_len=3, timeout=2.0, retry_every=2, logprobs=3,
+                               on_piece=cut_after(proxy, 4, restore_after=4))
+            finally:
+                proxy.stop()
+            assert result.offline_tokens > 0 and result.resyncs >= 1
+        else:
+            tree = TreeShape(depth=3, top_k=2, total=6) if how == "tree" else None
+            result = split(tiny_llama, twin, url, 30, draft_len=3, tree=tree, logprobs=3)
+            assert split(tiny_llama, twin, url, 4, tree=tree).logprobs is None  # none unless asked
+    assert result.token_ids == local.token_ids and any(n > 1 for n in result.accepted_lengths)
+    assert result.logprobs is not None and local.logprobs is not None and len(result.logprobs) == 30
+    for got, ref in zip(result.logprobs, local.logprobs, strict=True):
+        assert got.token == ref.token and got.logprob == pytest.approx(ref.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in ref.top]
+        assert [lp for _, lp in got.top] == pytest.approx([lp for _, lp in ref.top], abs=1e-4)
+
+
 def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     import json as jsonlib
 
@@ -732,6 +837,17 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         sampled = jsonlib.loads(capsys.readouterr().out)
         assert main([*args, "--drafter", str(path), *hot]) == 0
         assert jsonlib.loads(capsys.readouterr().out)["text"] == sampled["text"] and sampled["new_tokens"] == 12
+        penalised = ["--presence-penalty", "-2", "--frequency-penalty", "-1.5", "--logprobs", "2"]  # repeats, favoured
+        assert main([*args, "--drafter", str(path), *penalised, "--json", "The quick brown fox"]) == 0
+        adjusted = jsonlib.loads(capsys.readouterr().out)
+        local = generate(tiny_llama.model, tiny_llama.tokenizer, ids, GenerationConfig(
+            max_new_tokens=12, sampling=SamplingParams(presence_penalty=-2, frequency_penalty=-1.5), logprobs=2))
+        assert adjusted["text"] == local.text != out["text"]
+        assert len(adjusted["logprobs"]) == adjusted["new_tokens"] and len(adjusted["logprobs"][0]["top_logprobs"]) == 2
+        assert main([*args, "--drafter", str(path), "--logprobs", "2", "hi"]) == 2
+        assert "give --json too" in capsys.readouterr().err
+        assert main([*args, "--drafter", str(path), "--presence-penalty", "5", "hi"]) == 2
+        assert "presence_penalty must be a number in [-2, 2]" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--temperature", "0.8", "--seed", "-1", "hi"]) == 2
         assert "seed must be a whole number in" in capsys.readouterr().err
         assert main([*args, "--drafter", str(path), "--lookup", "-1", "hi"]) == 2

@@ -136,9 +136,10 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
 
 
 CS_CASES = [("fixed", PLAIN), ("sampled", WARPED), ("with-dists", PLAIN), ("tree", PLAIN)]
+CS_CASES += [("with-dists", PENALISED), ("tree", PENALISED)]  # the server penalises each row by its path
 
 
-@pytest.mark.parametrize("drafts,params", CS_CASES, ids=[d for d, _ in CS_CASES])
+@pytest.mark.parametrize("drafts,params", CS_CASES, ids=[f"{d}-{NAMES[id(p)]}" for d, p in CS_CASES])
 def test_a_client_server_session_samples_the_targets_distribution(small_vocab, drafts: str,  # type: ignore[no-untyped-def]
                                                                   params: SamplingParams) -> None:
     """A sampling session verifies drafts as point masses: the tokens follow the target whatever chose them.
@@ -161,7 +162,7 @@ def test_a_client_server_session_samples_the_targets_distribution(small_vocab, d
     other = torch.Generator().manual_seed(99)
     accepted = 0
     for seed in range(2000):
-        answer = store.open(PROMPT, "none", sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
+        answer = store.open(PROMPT, "none", sampling=replace(params, seed=seed))
         tokens = PROMPT + [answer["token"]]
         while len(tokens) < len(PROMPT) + 3:
             if drafts == "tree":  # the root's two likeliest children, the first with its likeliest child

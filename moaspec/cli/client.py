@@ -39,12 +39,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--retries", type=int, default=2, help="retries of a lost request before going offline (default 2)")
     c.add_argument("--max-new-tokens", type=int, default=256)
     options.add_sampling_options(c, "seed for sampling (the server's draws, and the client's while it writes alone)")
+    options.add_penalty_options(c)
     c.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     c.add_argument("--bundle", default=None, help="run from a client bundle (`moaspec export-client`) instead of the whole target")
     c.add_argument("--network", default=None, metavar="PROFILE",
                    help="go through an emulated link: lan, 4g, 5g, optionally +offline-after:K (the link dies after "
                         "K tokens), e.g. 4g+offline-after:32")
     c.add_argument("--json", action="store_true", help="print one JSON object (text, tau, server calls, bytes/token)")
+    options.add_logprobs_option(c)
     c.add_argument("--show-drafts", action="store_true", help="colour text from accepted drafts")
     options.add_model_options(c)
     options.add_drafter_dtype_option(c)
@@ -53,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     from moaspec.chat import chat_messages, encode_chat
     from moaspec.clientserver.client import RemoteTarget, ServerUnreachable, SplitGeneration
-    from moaspec.decoding import GenerationConfig, SamplingParams
+    from moaspec.decoding import GenerationConfig
     from moaspec.decoding.opening import stop_token_ids
     from moaspec.drafters import load_drafter, shipped_drafter
     from moaspec.drafters.moa import MoADrafter
@@ -64,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
         raise MoaspecError("--chat streams a conversation: not with --json")
     if (prompt is None and not args.chat) or (prompt is not None and not prompt.strip()):
         raise PromptError("the prompt is empty")
+    options.require_json_for_logprobs(args)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
-                              sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
+                              sampling=options.sampling_params(args), logprobs=args.logprobs)
     options.require(args, ">= 1", options.at_least(1), "chain", "max_new_tokens")
     options.require(args, "a finite number > 0", options.finite_positive, "timeout")
     options.require(args, ">= 0", options.at_least(0), "retries", "lookup")
@@ -142,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
         if proxy is not None:
             proxy.stop()
     if args.json:
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        out = result.to_dict()
+        if result.logprobs is not None:  # the verified tokens' (an unverified tail has none)
+            out["logprobs"] = options.logprobs_json(loaded.tokenizer, result.logprobs)
+        print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         unverified_note(result)

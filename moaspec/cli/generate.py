@@ -22,9 +22,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument("--messages", default=None, help="JSON file with a list of {role, content} messages (multi-turn)")
     g.add_argument("--raw", action="store_true", help="plain completion of the prompt text, no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token counts, tau, timings) instead of streaming")
-    g.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="with --json: each token's log-probability under the target and the K (0-20) most likely "
-                        "tokens at its position, as OpenAI's chat API gives them")
+    options.add_logprobs_option(g)
     g.add_argument("--chat", action="store_true",
                    help="a conversation: after each answer, read the next message from stdin (/reset starts over, "
                         "/exit or end of input ends it); each turn reads only what is new of the conversation")
@@ -40,17 +38,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default 256)")
     options.add_sampling_options(p)
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="lower the logits of tokens the answer already holds by this much (-2..2, as OpenAI's)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="lower the logits of tokens the answer already holds by this much per occurrence (-2..2)")
+    options.add_penalty_options(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
     from moaspec.api import encode_prompt
     from moaspec.chat import encode_chat
-    from moaspec.decoding import GenerationConfig, SamplingParams
+    from moaspec.decoding import GenerationConfig
     from moaspec.decoding.prefill import Prefill
     from moaspec.errors import PromptError
 
@@ -58,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat and (args.json or args.raw):
         raise MoaspecError("--chat streams a conversation in the chat template: not with --json or --raw")
-    if args.logprobs is not None and not args.json:
-        raise MoaspecError("--logprobs adds each token's log-probability to --json's output: give --json too")
+    options.require_json_for_logprobs(args)
     if messages is None and not (args.chat and prompt is None):
         if prompt == "-":
             prompt = read_stdin()
@@ -67,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
             raise PromptError("the prompt is empty")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
-                                args.frequency_penalty),
+        sampling=options.sampling_params(args),
         stop=tuple(args.stop),
         logprobs=args.logprobs,
     )
@@ -98,9 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = {**result.to_dict(), "decoding": strategy.describe(), "tuned_from": strategy.tuned_from}
         if result.logprobs is not None:
-            from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
-
-            out["logprobs"] = (LogprobFormat(TokenBytes(loaded.tokenizer), chat=True)(result.logprobs) or {}).get("content", [])
+            out["logprobs"] = options.logprobs_json(loaded.tokenizer, result.logprobs)
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")

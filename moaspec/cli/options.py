@@ -66,6 +66,39 @@ def add_sampling_options(p: argparse.ArgumentParser, seed_help: str = "seed for 
     p.add_argument("--seed", type=int, default=None, help=seed_help)
 
 
+def add_penalty_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="lower the logits of tokens the answer already holds by this much (-2..2, as OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="lower the logits of tokens the answer already holds by this much per occurrence (-2..2)")
+
+
+def add_logprobs_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability under the target and the K (0-20) most likely "
+                        "tokens at its position, as OpenAI's chat API gives them")
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    """The :class:`~moaspec.decoding.sampling.SamplingParams` of the sampling and penalty options."""
+    from moaspec.decoding import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
+                          args.frequency_penalty)
+
+
+def logprobs_json(tokenizer: Any, logprobs: Any) -> list[dict[str, Any]]:
+    """``--json``'s ``logprobs``: the entries as OpenAI's chat API's ``content`` list."""
+    from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
+
+    return (LogprobFormat(TokenBytes(tokenizer), chat=True)(logprobs) or {}).get("content", [])
+
+
+def require_json_for_logprobs(args: argparse.Namespace) -> None:
+    if args.logprobs is not None and not args.json:
+        raise MoaspecError("--logprobs adds each token's log-probability to --json's output: give --json too")
+
+
 def default_chain() -> int:
     from moaspec.decoding.speculative import DEFAULT_CHAIN
 

@@ -25,6 +25,11 @@ travels with it in a few hundred bytes and the server verifies it by speculative
 sampling (:mod:`moaspec.clientserver.sessions`). Prompt-lookup copies and tree nodes
 travel without one and are verified as point masses. Offline the drafter writes the
 same way, and the server verifies that tail, distributions included, when it is back.
+
+Presence and frequency penalties and a logit bias (``GenerationConfig.sampling``) are the
+server's to apply, as it verifies; the drafter drafts without them, as on one device, so
+text written alone while the server is away follows neither until it is verified. With
+``GenerationConfig.logprobs`` the server sends each verified token's log-probabilities.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from moaspec.chat import check_fits
 from moaspec.clientserver import codec
 from moaspec.clientserver.sessions import MAX_SUPPORT
 from moaspec.decoding.detokenize import Detokenizer
-from moaspec.decoding.generation import GenerationConfig, TokenSink
+from moaspec.decoding.generation import GenerationConfig, TokenLogprob, TokenSink
 from moaspec.decoding.lookup import MIN_NGRAM_BEFORE_DRAFTER, NgramIndex
 from moaspec.decoding.prefill import common_prefix
 from moaspec.decoding.proposer import check_confidence
@@ -183,9 +188,13 @@ class RemoteTarget:
         return answer
 
     def open(self, prompt: Sequence[int], kind: str, fmt: str, max_new_tokens: int, layers: int = 0,
-             drafter: str | None = None, sampling: SamplingParams = GREEDY, have_state: int = 0) -> dict[str, Any]:
+             drafter: str | None = None, sampling: SamplingParams = GREEDY, have_state: int = 0,
+             answer_start: int | None = None, logprobs: int | None = None) -> dict[str, Any]:
         """Open a session; ``have_state``: the client holds the state of the prompt's first tokens (only servers
-        whose info says ``have_state`` take it)."""
+        whose info says ``have_state`` take it); ``answer_start``: where the answer the penalties count began
+        in ``prompt``, when not after it; ``logprobs``: have each verified token's log-probabilities sent, with
+        this many alternatives. Only what is asked for is sent, so servers that predate an option still serve
+        the clients that leave it out."""
         body: dict[str, Any] = {"prompt": list(prompt), "state": kind, "state_format": fmt,
                                 "max_new_tokens": max_new_tokens}
         if have_state:
@@ -194,9 +203,18 @@ class RemoteTarget:
             body["target_layers"] = layers
         if drafter:
             body["drafter"] = drafter
-        if not sampling.greedy:
+        if answer_start is not None:
+            body["answer_start"] = answer_start
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        if not sampling.greedy or sampling.adjusted:
             body["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                                 "seed": sampling.seed}
+            if sampling.penalized:
+                body["sampling"] |= {"presence_penalty": sampling.presence_penalty,
+                                     "frequency_penalty": sampling.frequency_penalty}
+            if sampling.logit_bias:
+                body["sampling"]["logit_bias"] = {str(t): b for t, b in sampling.logit_bias}
         return self._request("POST", "/sessions", body, timeout=self.timeout + OPEN_S_PER_PROMPT_TOKEN * len(prompt))
 
     def verify(self, session: str, verified: int, draft: Sequence[int], retries: int | None = None,
@@ -397,6 +415,7 @@ class SplitResult:
     pipeline_hits: int = 0
     cached_tokens: int = 0  # prompt tokens the server did not read again (its prompt cache held them), over every open
     carried_tokens: int = 0  # prompt tokens whose state the client held from its last turn (not sent again), ditto
+    logprobs: list[TokenLogprob] | None = None  # one per verified token of token_ids, when the config asked for them
 
     @property
     def tau(self) -> float:
@@ -473,18 +492,35 @@ class SplitGeneration:
         self.state_bytes += codec.payload_bytes(state)
         self.proposer.receive(start, codec.decode(state))
 
-    def _open(self, prompt: Sequence[int], budget: int, have: int = 0) -> int:
-        """Open a session on ``prompt`` whose first ``have`` tokens' state the proposer already holds."""
+    def _entries(self, answer: dict[str, Any], new: list[int]) -> list[TokenLogprob] | None:
+        """The log-probability entries of ``new``, the tokens an answer verified (None when not asked)."""
+        if self.sink.top is None:
+            return None
+        if answer.get("logprobs") is None:
+            raise MoaspecError("the server sent no log-probabilities (a server older than the logprobs option)")
+        try:
+            return codec.decode_logprobs(answer["logprobs"], new)
+        except codec.CodecError as exc:
+            raise MoaspecError(f"the server's answer: {exc}") from None
+
+    def _open(self, prompt: Sequence[int], budget: int, have: int = 0) -> tuple[int, list[TokenLogprob] | None]:
+        """Open a session on ``prompt`` whose first ``have`` tokens' state the proposer already holds; the target's
+        first token and its log-probability entry (when asked).
+
+        A session reopened on part of the answer tells the server where the answer began, for the penalties.
+        """
         layers = self.proposer.layers if isinstance(self.proposer, SplitMoAProposer) else 0
         have = min(have, len(prompt) - 1)
         sent = have if have > 0 and self.proposer.state_kind != "none" and self._takes_have_state() else 0
+        answer_start = self.prompt_tokens if self.sampling.penalized and len(prompt) > self.prompt_tokens else None
         answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers, self.fingerprint,
-                                  self.sampling, have_state=sent)
+                                  self.sampling, have_state=sent, answer_start=answer_start, logprobs=self.sink.top)
         self.session = answer["session"]
         self.cached_tokens += int(answer.get("cached_tokens") or 0)  # servers before the prompt cache do not say
         self.carried_tokens += have if self.proposer.state_kind == "none" else sent  # no state travels for "none"
         self._take_state(answer, int(answer.get("state_start") or 0))  # from 0, what it holds is skipped
-        return int(answer["token"])
+        first = int(answer["token"])
+        return first, self._entries(answer, [first])
 
     def _takes_have_state(self) -> bool:
         if self._server_takes_have_state is None:
@@ -518,6 +554,7 @@ class SplitGeneration:
         calls, sent, received = self.remote.calls, self.remote.bytes_sent, self.remote.bytes_received  # this run's: the rest
         self.pipeline_hits = self.state_bytes = self.cached_tokens = self.carried_tokens = 0
         self.sampling = config.sampling  # the server's, sent when the session opens
+        self.prompt_tokens = len(prompt_ids)
         self.generator = None if config.sampling.greedy else config.sampling.generator()
         self.draft_sampling = config.sampling if config.sampling.greedy else replace(
             config.sampling, top_k=min(config.sampling.top_k or DRAFT_SUPPORT, DRAFT_SUPPORT))
@@ -530,7 +567,7 @@ class SplitGeneration:
         self.proposer.begin(self.view)  # type: ignore[arg-type]
         self.index = NgramIndex(min_ngram=MIN_NGRAM_BEFORE_DRAFTER)  # a drafter always stands behind it here
         try:
-            first = self._open(prompt_ids, budget, self._carry(prompt_ids))
+            first, entries = self._open(prompt_ids, budget, self._carry(prompt_ids))
         except ServerUnreachable as exc:
             raise MoaspecError(f"cannot reach the server to start: {exc}") from None
         ttft = time.perf_counter() - t0
@@ -542,7 +579,7 @@ class SplitGeneration:
         offline: Detokenizer | None = None  # set while the server is unreachable
         drafts: list[int] | None = None  # drafted ahead during the last verification, ready to send
         dq: list[Dist] = []  # what each of them was drawn from
-        sink.push([first])
+        sink.push([first], entries=entries)
         while not sink.done:
             if offline is None and self.tree is not None:
                 try:
@@ -601,6 +638,7 @@ class SplitGeneration:
             state_bytes=self.state_bytes,
             accepted_lengths=self.accepted, unverified=len(unverified), offline_tokens=offline_tokens, resyncs=resyncs,
             pipeline_hits=self.pipeline_hits, cached_tokens=self.cached_tokens, carried_tokens=self.carried_tokens,
+            logprobs=sink.logprobs,
         )
 
     def _extend(self, drafts: list[int], shown: Detokenizer, dists: list[Dist]) -> None:
@@ -694,7 +732,7 @@ class SplitGeneration:
         self.verified += len(new)
         self.accepted.append(len(new))
         self.proposer.commit(len(self.tokens) - 1, path)
-        self.sink.push(new, drafted=drafted)
+        self.sink.push(new, drafted=drafted, entries=self._entries(answer, new))
 
     def _resync(self) -> bool:
         """Verify the unverified tail if the server answers now; False while it is still unreachable."""
@@ -708,14 +746,14 @@ class SplitGeneration:
                     if exc.status not in (404, 409):
                         raise
                     # the session expired, or a lost answer advanced it: open a new one on the verified text
-                    first = self._open(self.tokens[: self.verified], max(1, self.sink.budget - len(self.sink.tokens)),
-                                       self.proposer.held())
+                    first, entries = self._open(self.tokens[: self.verified],
+                                                max(1, self.sink.budget - len(self.sink.tokens)), self.proposer.held())
                     agrees = chunk[0] == first
                     self.tokens[self.verified:] = [first] + (self.tokens[self.verified + 1:] if agrees else [])
                     self.tail_q = self.tail_q[1:] if agrees else []
                     self.verified += 1
                     self.proposer.commit(len(self.tokens) - 1)
-                    self.sink.push([first], drafted=int(agrees))
+                    self.sink.push([first], drafted=int(agrees), entries=entries)
         except ServerUnreachable:
             return False
         self._event("server reachable again: unverified text checked; the text from here on is verified")

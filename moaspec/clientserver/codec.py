@@ -1,4 +1,5 @@
-"""How per-token state vectors travel between server and client: fp16, or int8 with a scale per token.
+"""How per-token state vectors travel between server and client: fp16, or int8 with a scale per token;
+and the verified tokens' log-probabilities, when a session asks for them.
 
 Pure functions over tensors and JSON-safe dicts (base64 payloads), tested alone. int8
 halves the bytes of fp16 (d + 2 bytes per token instead of 2d) at the cost of a
@@ -9,10 +10,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from moaspec.decoding.generation import TokenLogprob
 
 FORMATS = ("fp16", "int8")
 
@@ -68,3 +72,19 @@ def decode(payload: dict[str, Any]) -> torch.Tensor:
 def payload_bytes(payload: dict[str, Any]) -> int:
     """Bytes of state carried (before base64), for bytes-per-token accounting."""
     return len(base64.b64decode(payload["data"])) + (len(base64.b64decode(payload["scales"])) if "scales" in payload else 0)
+
+
+def encode_logprobs(entries: Sequence[TokenLogprob]) -> list[list[Any]]:
+    """Log-probability entries as ``[token, logprob, [[id, logprob], ...]]`` each (the likeliest first)."""
+    return [[e.token, e.logprob, [list(pair) for pair in e.top]] for e in entries]
+
+
+def decode_logprobs(raw: Any, tokens: Sequence[int]) -> list[TokenLogprob]:
+    """The entries of ``tokens`` (the newly verified ones, in order) from :func:`encode_logprobs`'s form."""
+    try:
+        entries = [TokenLogprob(int(t), float(lp), tuple((int(i), float(v)) for i, v in top)) for t, lp, top in raw]
+    except (TypeError, ValueError) as exc:
+        raise CodecError(f"malformed log-probabilities: {exc}") from None
+    if [e.token for e in entries] != list(tokens):
+        raise CodecError(f"log-probabilities for {len(entries)} tokens that are not the {len(tokens)} verified")
+    return entries

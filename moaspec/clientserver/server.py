@@ -2,10 +2,15 @@
 
     GET    /cs/v1/info                    what the server holds: state kind and width, limits, target fingerprint
     POST   /cs/v1/sessions                {prompt: [ids], state?, state_format?, max_new_tokens?, target_layers?, drafter?,
-                                           sampling?: {temperature, top_k?, top_p?, seed?}}
-                                          → {session, token, verified, state[, layers]}
+                                           sampling?: {temperature, top_k?, top_p?, seed?, presence_penalty?,
+                                                       frequency_penalty?, logit_bias?: {"id": bias}},
+                                           have_state?, answer_start?, logprobs?: k}
+                                          → {session, token, verified, state[, layers][, logprobs]}
     POST   /cs/v1/sessions/{id}/verify    {verified: n, draft: [ids], parents?: [nodes], dists?: [{ids, probs} | null]}
-                                          → {accepted, token, verified, state[, layers][, path]}
+                                          → {accepted, token, verified, state[, layers][, path][, logprobs]}
+
+``logprobs`` in an answer: ``[token, logprob, [[id, logprob], ...]]`` for each newly verified token
+(:func:`moaspec.clientserver.codec.encode_logprobs`), the target's own distribution as on one device.
     DELETE /cs/v1/sessions/{id}
 
 Target forwards run on worker threads, at most ``workers`` at once (more would only
@@ -22,7 +27,7 @@ its prompt once per retry).
 from __future__ import annotations
 
 import threading
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -30,7 +35,9 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from moaspec.clientserver.sessions import MAX_SUPPORT, SessionError, SessionStore
-from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.generation import MAX_TOP_LOGPROBS
+from moaspec.decoding.sampling import SamplingParams, logit_bias_pairs
+from moaspec.errors import MoaspecError
 from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.errors import APIError
 
@@ -43,9 +50,17 @@ class SamplingRequest(BaseModel):
     top_k: StrictInt = Field(0, ge=0)
     top_p: StrictFloat = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
 
-    def params(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+    def params(self, vocab_size: int) -> SamplingParams:
+        try:
+            bias = logit_bias_pairs(self.logit_bias, vocab_size)
+        except MoaspecError as exc:
+            raise APIError(400, str(exc), param="sampling.logit_bias") from None
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.presence_penalty,
+                              self.frequency_penalty, bias)
 
 
 class OpenRequest(BaseModel):
@@ -58,6 +73,8 @@ class OpenRequest(BaseModel):
     drafter: str | None = Field(None, max_length=64)  # the client's MoA drafter (fingerprint), if the server holds several
     sampling: SamplingRequest = SamplingRequest()
     have_state: StrictInt = Field(0, ge=0)  # the client holds the state of the prompt's first tokens: send the rest
+    answer_start: StrictInt | None = Field(None, ge=0)  # the penalised answer began here in the prompt (a reopen)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each verified token's, with k alternatives
 
 
 class DraftDist(BaseModel):
@@ -108,7 +125,8 @@ def router(store: SessionStore, workers: int = 2) -> APIRouter:
         try:
             return await unless_disconnected(
                 _call(limiter, store.open, req.prompt, req.state, req.state_format, req.max_new_tokens,
-                      req.target_layers, req.drafter, req.sampling.params(), check, req.have_state), request)
+                      req.target_layers, req.drafter, req.sampling.params(store.target.cfg.vocab_size), check,
+                      req.have_state, req.answer_start, req.logprobs), request)
         finally:
             gone.set()
 

@@ -28,6 +28,13 @@ copy, a tree's node, a greedy draft — is verified as a point mass: accepted wi
 target's probability of it, else the token is drawn from the target's distribution
 without it, which keeps the target's distribution whatever chose the draft. Either
 way the tokens follow the target's distribution exactly.
+
+A session may also be opened with OpenAI's presence and frequency penalties and a logit
+bias (greedy or sampling): each verified row's logits are adjusted by the answer so far
+and the drafts on its path, as on one device (:func:`~moaspec.decoding.sampling.adjust_rows`).
+The answer begins after the prompt unless ``answer_start`` says it began earlier (a session
+reopened on a partly written answer). With ``logprobs`` every answer carries the target's
+log-probability of each newly verified token and its likeliest alternatives.
 """
 
 from __future__ import annotations
@@ -45,11 +52,13 @@ from moaspec.batching import ForwardBatcher
 from moaspec.chat import outside_vocabulary
 from moaspec.clientserver import codec
 from moaspec.cores import Cores, prefill_threads, working
+from moaspec.decoding.generation import MAX_TOP_LOGPROBS, token_logprobs
 from moaspec.decoding.prefill import Prefill, PromptCache
-from moaspec.decoding.sampling import SamplingParams, probabilities, select_token
+from moaspec.decoding.sampling import SamplingParams, adjust, adjust_rows, count_tokens, probabilities, select_token
 from moaspec.decoding.tree import DraftTree
 from moaspec.decoding.verify import verify_greedy, verify_sampling, verify_tree
 from moaspec.drafters.moa import MoADrafter
+from moaspec.errors import MoaspecError
 from moaspec.heap import release_free_memory
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
@@ -110,6 +119,12 @@ class Session:
     hidden: list[torch.Tensor] = field(default_factory=list)  # the final hidden states
     memory: str | None = None  # the name of the prompt cache's extra for this session's MoA memory entries
     entries: list[torch.Tensor] = field(default_factory=list)  # those entries
+    counts: torch.Tensor | None = None  # how often each token occurs in the answer, with penalties only
+    top: int | None = None  # log-probabilities: None (not asked), or how many alternatives per token
+
+    def scored(self, logits: torch.Tensor, tokens: Sequence[int]) -> dict[str, Any]:
+        """The answer's ``logprobs`` for newly verified ``tokens`` from the logits that scored them (when asked)."""
+        return {} if self.top is None else {"logprobs": codec.encode_logprobs(token_logprobs(logits, tokens, self.top))}
 
 
 class SessionStore:
@@ -191,7 +206,7 @@ class SessionStore:
     def open(self, prompt: Sequence[int], kind: str = "moa", fmt: str = "fp16",
              max_new_tokens: int | None = None, layers: int = 0, drafter: str | None = None,
              sampling: SamplingParams = SamplingParams(), on_prefill: ChunkCallback | None = None,
-             have_state: int = 0) -> dict[str, Any]:
+             have_state: int = 0, answer_start: int | None = None, logprobs: int | None = None) -> dict[str, Any]:
         """Prefill ``prompt``; answer the session id, the first token and the prompt's state.
 
         ``layers``: how many of the target's last layers' K/V to send with every state;
@@ -200,7 +215,9 @@ class SessionStore:
         (greedy by default); ``on_prefill``: follows the prefill chunk by chunk, and may raise
         to abandon it (the session is then dropped); ``have_state``: the client already holds the
         state of the prompt's first tokens (a conversation's next turn, or a session reopened after
-        it expired), so only the rest is sent: for MoA over fp16, 1,152 bytes per token saved.
+        it expired), so only the rest is sent: for MoA over fp16, 1,152 bytes per token saved;
+        ``answer_start``: where in the prompt the answer the penalties count began (default: after it);
+        ``logprobs``: answer with each verified token's log-probability and this many alternatives.
         """
         lim = self.limits
         if not prompt:
@@ -221,6 +238,14 @@ class SessionStore:
         if not 0 <= have_state < len(prompt):
             raise SessionError(400, f"have_state must be in 0..{len(prompt) - 1} (the prompt's last token always gets "
                                     f"its state), got {have_state}")
+        if answer_start is not None and not 0 <= answer_start <= len(prompt):
+            raise SessionError(400, f"answer_start must be in 0..{len(prompt)} (a position in the prompt), got {answer_start}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise SessionError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), got {logprobs}")
+        try:
+            sampling.check_vocabulary(self.target.cfg.vocab_size)
+        except MoaspecError as exc:
+            raise SessionError(400, str(exc)) from None
         budget = min(max_new_tokens or lim.max_new_tokens, lim.max_new_tokens, context - len(prompt))
         self._expire()
         with self._lock:
@@ -229,7 +254,10 @@ class SessionStore:
             sid = secrets.token_urlsafe(16)
             cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
             s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s, len(prompt) + budget,
-                        sampling, None if sampling.greedy else sampling.generator(self.target.model.device))
+                        sampling, None if sampling.greedy else sampling.generator(self.target.model.device), top=logprobs)
+            if sampling.penalized:
+                s.counts = torch.zeros(self.target.cfg.vocab_size, device=self.target.model.device)
+                count_tokens(s.counts, prompt[len(prompt) if answer_start is None else answer_start:])
             self._sessions[sid] = s
         known = None
         if self.prompt_cache is not None and moa is not None:
@@ -238,8 +266,9 @@ class SessionStore:
             with s.lock, working(self.cores):
                 logits, hidden, reused = Prefill(on_prefill, self.prompt_cache, prefill_threads(self.cores))(
                     self.target.model, prompt, cache)
-                first = select_token(logits, sampling, s.generator)
+                first = select_token(adjust(logits, sampling, s.counts), sampling, s.generator)
                 s.tokens.append(first)
+                count_tokens(s.counts, [first])
                 if self.prompt_cache is not None and s.memory is not None and reused:
                     known = self.prompt_cache.extra(s.memory, prompt[:reused])
                 first_state = self._state_of(s, 0, len(prompt), hidden, known, have_state)
@@ -249,7 +278,7 @@ class SessionStore:
             with self._lock:  # a failed prefill must not hold a place until its TTL
                 self._sessions.pop(sid, None)
             raise
-        return {"session": sid, "token": first, "verified": len(s.tokens), **first_state,
+        return {"session": sid, "token": first, "verified": len(s.tokens), **first_state, **s.scored(logits[None], [first]),
                 "capacity": cache.capacity, "expires_in_s": lim.ttl_s, "cached_tokens": reused}
 
     def _moa_half(self, fingerprint: str | None) -> tuple[str, MoADrafter]:
@@ -336,27 +365,32 @@ class SessionStore:
             greedy, gen = s.sampling.greedy, s.generator
             if parents is None:
                 out = self._forward(Call(nodes[None].to(device), cache))
+                logits = adjust_rows(out.logits[0], s.sampling, s.counts, nodes.to(device))
                 drafts = nodes[1:].to(device)
                 if greedy:
-                    verdict = verify_greedy(drafts, out.logits[0])
+                    verdict = verify_greedy(drafts, logits)
                 else:
                     assert q is not None
-                    verdict = verify_sampling(drafts, q, probabilities(out.logits[0], s.sampling), gen)
+                    verdict = verify_sampling(drafts, q, probabilities(logits, s.sampling), gen)
                 path, token = list(range(1, verdict.accepted + 1)), verdict.next_token
             else:
                 tree = DraftTree.from_parents(nodes.tolist(), [-1, *parents])
+                ancestors = tree.ancestors().to(device)
                 out = self._forward(Call(nodes[None].to(device), cache, start + tree.depths.to(device),
-                                         tree_mask(start, tree.ancestors().to(device))))
-                scores = out.logits[0] if greedy else probabilities(out.logits[0], s.sampling)
+                                         tree_mask(start, ancestors)))
+                logits = adjust_rows(out.logits[0], s.sampling, s.counts, tree.tokens.to(device), ancestors)
+                scores = logits if greedy else probabilities(logits, s.sampling)
                 path, token = verify_tree(tree.tokens, tree.parents, scores, greedy, gen)
             kept = [0, *path]
             cache.compact(start, torch.tensor(kept))
             if self.prompt_cache is not None:
                 s.hidden.append(out.hidden[0, kept])
-            s.tokens += [int(nodes[i]) for i in path] + [token]
+            new = [int(nodes[i]) for i in path] + [token]
+            s.tokens += new
+            count_tokens(s.counts, new)
             answer = {"accepted": len(path), "token": token, "verified": len(s.tokens),
                       **({"path": path} if parents is not None else {}),
-                      **self._state_of(s, start, cache.length, out.hidden[0, kept])}
+                      **self._state_of(s, start, cache.length, out.hidden[0, kept]), **s.scored(out.logits[0, kept], new)}
             s.last = (key, answer)
             return answer
 

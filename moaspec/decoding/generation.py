@@ -177,22 +177,28 @@ class TokenSink:
         elif text and self.on_text:
             self.on_text(text)
 
-    def _entries(self, new: Sequence[int], scores: torch.Tensor | None) -> list[TokenLogprob]:
-        """Log-probability entries for ``new`` from ``scores`` (logits ``[len(new), V]``), or none when not asked."""
+    def _entries(self, new: Sequence[int], scores: torch.Tensor | None,
+                 entries: Sequence[TokenLogprob] | None) -> Sequence[TokenLogprob]:
+        """Log-probability entries for ``new`` from ``scores`` (logits ``[len(new), V]``) or as given, or none
+        when not asked."""
         if self.top is None:
             return []
+        if entries is not None and len(entries) >= len(new):
+            return entries
         if scores is None or scores.shape[0] < len(new):
             raise ValueError("log-probabilities were asked for, and this decoder did not give the logits of its tokens")
         return token_logprobs(scores, new, self.top)
 
-    def push(self, new: Sequence[int], drafted: int = 0, scores: torch.Tensor | None = None) -> bool:
+    def push(self, new: Sequence[int], drafted: int = 0, scores: torch.Tensor | None = None,
+             entries: Sequence[TokenLogprob] | None = None) -> bool:
         """Append tokens until one stops generation; return True once generation is over.
 
         The first ``drafted`` of ``new`` are accepted drafts (for ``on_piece``'s colouring);
-        row ``i`` of ``scores`` holds the target's logits at the position of ``new[i]``
-        (needed only when the config asks for log-probabilities).
+        row ``i`` of ``scores`` holds the target's logits at the position of ``new[i]``, or
+        ``entries`` their log-probability entries already made (a remote target's; either is
+        needed only when the config asks for log-probabilities).
         """
-        entries = self._entries(new, scores)
+        entries = self._entries(new, scores, entries)
         for i, tok in enumerate(new):
             if tok in self.eos:
                 self.finish = "eos"

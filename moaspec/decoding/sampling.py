@@ -16,6 +16,7 @@ distribution, greedy acceptance compares with the adjusted argmax).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -129,6 +130,38 @@ def adjust(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | 
         logits = logits + torch.zeros(logits.shape[-1], device=logits.device).index_add_(
             0, ids.to(logits.device), values.to(logits.device))
     return logits
+
+
+def logit_bias_pairs(mapping: Mapping[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids written as strings → bias) as (token id, bias) pairs for
+    :class:`SamplingParams`; JSON's keys are strings, so the ids are read from them here."""
+    pairs = []
+    for key, value in (mapping or {}).items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise MoaspecError(f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}")
+        pairs.append((int(key), value))
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise MoaspecError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+    return tuple(pairs)
+
+
+def count_tokens(counts: torch.Tensor | None, tokens: Sequence[int]) -> None:
+    """Add ``tokens`` to an answer's token ``counts`` ``[V]`` in place (None, without penalties: nothing to do)."""
+    if counts is not None and len(tokens):
+        counts.index_add_(0, torch.tensor(list(tokens), device=counts.device),
+                          torch.ones(len(tokens), device=counts.device))
+
+
+def adjust_rows(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None, nodes: torch.Tensor,
+                ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    """A verification's logits ``[N, V]`` with the logit bias and the penalties, each row penalised by the text
+    before it: the answer's ``counts`` (None: no penalties), then the ``nodes`` (the verified tokens, the answer's
+    newest first) on its path; ``ancestors`` as a tree's, None for a chain, where each node is below the one before."""
+    if counts is None:
+        return adjust(logits, params)
+    if ancestors is None:
+        ancestors = torch.ones(len(nodes), len(nodes), dtype=torch.bool).tril()
+    return adjust(logits, params, path_counts(counts, nodes, ancestors))
 
 
 def path_counts(counts: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,14 @@ from moaspec.decoding.generation import (
 from moaspec.decoding.opening import open_generation
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import Proposer, Resumable
-from moaspec.decoding.sampling import SamplingParams, adjust, path_counts, probabilities, select_token
+from moaspec.decoding.sampling import (
+    SamplingParams,
+    adjust,
+    adjust_rows,
+    count_tokens,
+    probabilities,
+    select_token,
+)
 from moaspec.decoding.verify import verify_greedy, verify_sampling
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
@@ -67,20 +74,12 @@ class Run:
     scored: list[TokenLogprob | None] | None = None  # the prompt's tokens' log-probabilities, when asked
 
     def adjusted(self, logits: torch.Tensor, nodes: torch.Tensor, ancestors: torch.Tensor | None = None) -> torch.Tensor:
-        """A verification's logits with the logit bias and the presence/frequency penalties, each row penalised
-        by the text before it (``nodes``: the verified tokens, the answer's newest first; ``ancestors`` as a tree's,
-        None for a chain, where each node is below the one before)."""
-        if self.counts is None:  # no penalties: a logit bias at most
-            return adjust(logits, self.params)
-        if ancestors is None:
-            ancestors = torch.ones(len(nodes), len(nodes), dtype=torch.bool).tril()
-        return adjust(logits, self.params, path_counts(self.counts, nodes, ancestors))
+        """A verification's logits with the logit bias and the penalties (:func:`~moaspec.decoding.sampling.adjust_rows`)."""
+        return adjust_rows(logits, self.params, self.counts, nodes, ancestors)
 
     def count(self, new: Sequence[int]) -> None:
         """Add newly verified tokens to the answer's counts (with penalties)."""
-        if self.counts is not None:
-            self.counts.index_add_(0, torch.tensor(new, device=self.counts.device), torch.ones(len(new),
-                                   device=self.counts.device))
+        count_tokens(self.counts, new)
 
     def verified(self, hidden: torch.Tensor) -> None:
         """Keep the final states of newly verified positions, for a prompt cache to store at the end (none: not kept)."""

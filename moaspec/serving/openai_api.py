@@ -38,7 +38,7 @@ from moaspec.decoding.generation import (
     length_histogram,
 )
 from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
-from moaspec.decoding.sampling import MAX_LOGIT_BIAS, SamplingParams
+from moaspec.decoding.sampling import SamplingParams, logit_bias_pairs
 from moaspec.errors import MoaspecError
 from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.engine import Engine, Piece
@@ -90,14 +90,10 @@ class _Common(BaseModel):
 
     def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; its keys are token ids written as strings."""
-        pairs = []
-        for key, value in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
-                raise APIError(400, f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}", param="logit_bias")
-            pairs.append((int(key), value))
-        if len(pairs) > MAX_LOGIT_BIAS:
-            raise APIError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
-        return tuple(pairs)
+        try:
+            return logit_bias_pairs(self.logit_bias, vocab_size)
+        except MoaspecError as exc:
+            raise APIError(400, str(exc), param="logit_bias") from None
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
