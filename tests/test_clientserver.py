@@ -485,6 +485,46 @@ def test_malformed_and_hostile_requests(tiny_llama, drafter, server) -> None:  #
         assert cold.status_code == 200
 
 
+def test_the_protocol_document_matches_the_server(tiny_llama, drafter, server) -> None:  # type: ignore[no-untyped-def]
+    """docs/client-server-protocol.md's JSON examples: its requests are served (token ids folded into the tiny
+    vocabulary) and its answers name the fields a real answer has."""
+    import json as jsonlib
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "client-server-protocol.md").read_text()
+    examples = []
+    for block in re.findall(r"```json\n(.*?)```", doc, re.S):
+        try:
+            examples.append(jsonlib.loads(block))
+        except ValueError:  # payload shapes with placeholders, fragments
+            continue
+    vocab = tiny_llama.cfg.vocab_size
+
+    def fold(body):  # type: ignore[no-untyped-def]
+        ids = {k: [t % vocab for t in v] for k, v in body.items() if k in ("prompt", "draft")}
+        return {**body, **ids}
+
+    with httpx.Client(base_url=server + "/cs/v1", headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        info = http.get("/info").json()
+        opens = [e for e in examples if "prompt" in e]
+        verifies = [e for e in examples if "draft" in e and "dists" not in e]
+        answers = {"info": [e for e in examples if "moa_drafters" in e], "open": [e for e in examples if "session" in e],
+                   "verify": [e for e in examples if "accepted" in e]}
+        assert opens and verifies and all(answers.values())
+        assert set(answers["info"][0]) == set(info)
+        for body in opens:
+            opened = http.post("/sessions", json=fold(body))
+            assert opened.status_code == 200, opened.text
+            assert set(answers["open"][0]) == set(opened.json())
+        for body in verifies:
+            opened = http.post("/sessions", json={"prompt": fold(opens[0])["prompt"]}).json()
+            got = http.post(f"/sessions/{opened['session']}/verify", json={**fold(body), "verified": opened["verified"]})
+            assert got.status_code == 200, got.text
+            want = next(a for a in answers["verify"] if ("path" in a) == ("parents" in body))
+            assert set(want) == set(got.json())
+
+
 def test_a_client_that_gives_up_on_opening_a_session_stops_its_prefill(tiny_llama, drafter, slow_prefill) -> None:  # type: ignore[no-untyped-def]
     """A client whose open times out (and would retry) leaves no prefill running for nobody and no session behind:
     the server stops within a chunk, and the next open is served at once."""
