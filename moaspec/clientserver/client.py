@@ -60,7 +60,7 @@ from moaspec.drafters.base import Drafter
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.independent import IndependentDrafter
 from moaspec.drafters.moa import MoADrafter
-from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer
+from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer, proposer_for
 from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 
@@ -388,12 +388,7 @@ SPLIT_PROPOSERS: dict[type[Drafter], Callable[[Any], SplitProposer]] = {
 
 def split_proposer(drafter: Drafter, confidence: float = 0.0) -> SplitProposer:
     """A fresh client-side proposer for ``drafter`` (one per generation); ``confidence`` as for one device."""
-    cls = SPLIT_PROPOSERS.get(type(drafter))
-    if cls is None:
-        raise MoaspecError(f"no client–server proposer for {type(drafter).__name__}")
-    proposer = cls(drafter)
-    proposer.confidence = check_confidence(confidence)
-    return proposer
+    return proposer_for(drafter, confidence, SPLIT_PROPOSERS, "client–server ")
 
 
 @dataclass

@@ -10,8 +10,8 @@ of its ancestors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,6 +22,7 @@ from moaspec.drafters.base import Drafter
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.independent import IndependentDrafter
 from moaspec.drafters.moa import MoADrafter, MoAState
+from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 
 
@@ -384,19 +385,23 @@ class IndependentProposer(OwnCacheProposer):
         self._keep_accepted(self.own, verified, keep_slots)
 
 
+P = TypeVar("P", bound="DrafterProposer")
 PROPOSERS: dict[type[Drafter], Callable[[Any], DrafterProposer]] = {
     MoADrafter: MoAProposer, EagleDrafter: EagleProposer, IndependentDrafter: IndependentProposer}
 """The proposer that drives each drafter class: a new drafter plugs in by adding its pair."""
 
 
-def proposer_for(drafter: Drafter, confidence: float = 0.0) -> DrafterProposer:
-    """A fresh proposer (one per generation: it holds that generation's drafter state).
+def proposer_for(drafter: Drafter, confidence: float = 0.0,
+                 kinds: Mapping[type[Drafter], Callable[[Any], P]] = PROPOSERS,  # type: ignore[assignment]
+                 where: str = "") -> P:
+    """A fresh proposer (one per generation: it holds that generation's drafter state) of the class ``kinds`` names
+    for the drafter's type (the client–server ones pass their own, and say so in ``where``).
 
     ``confidence``: see :class:`DrafterProposer` (0: chains of the full length asked for).
     """
-    cls = PROPOSERS.get(type(drafter))
+    cls = kinds.get(type(drafter))
     if cls is None:
-        raise TypeError(f"no proposer for {type(drafter).__name__}")
+        raise MoaspecError(f"no {where}proposer for {type(drafter).__name__}")
     proposer = cls(drafter)
     proposer.confidence = check_confidence(confidence)
     return proposer
