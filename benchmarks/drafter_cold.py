@@ -10,7 +10,7 @@ and a 1-draft ``propose``, four ways, interleaved round by round:
 - right after a 64 MB memory sweep (the caches evicted, nothing else);
 - with the drafter on one thread and the target on all of them.
 
-The default target and shipped drafter, a 300-token random prompt, medians:
+The default target and the shipped drafter (or ``--drafter``), a 300-token random prompt, medians:
 
     .venv/bin/python benchmarks/drafter_cold.py --threads 2 --repeats 60
 """
@@ -25,20 +25,20 @@ from collections.abc import Callable
 import torch
 
 from moaspec.decoding import SamplingParams
-from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters import load_drafter
 from moaspec.drafters.proposers import proposer_for
-from moaspec.models import load_model
+from specbench_script import target_and_drafter_path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drafter", default=None, help="MoA drafter checkpoint directory (default: the shipped one)")
     ap.add_argument("--repeats", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    target = load_model()
-    drafter = load_drafter(shipped_drafter(target), target)
+    target, path = target_and_drafter_path(args)
+    drafter = load_drafter(path, target)
     T = 300
     ids = torch.randint(0, target.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     cache = target.model.new_cache(T + 64)

@@ -2,7 +2,7 @@
 
 After the target reads the prompt, the drafter's first pass runs Layer Self-Attention over
 every prompt token (``begin``) and its Self-Attention catches up on them at the first draft
-(``propose``). The default target and drafter, a prompt of random token ids, each figure the
+(``propose``). The default target and the shipped drafter (or ``--drafter``), a prompt of random token ids, each figure the
 faster of two runs:
 
     .venv/bin/python benchmarks/drafter_first_pass.py --tokens 3000 --threads 2
@@ -16,19 +16,19 @@ import time
 import torch
 
 from moaspec.decoding import SamplingParams
-from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.drafters import load_drafter
 from moaspec.drafters.proposers import proposer_for
-from moaspec.models import load_model
+from specbench_script import target_and_drafter_path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drafter", default=None, help="MoA drafter checkpoint directory (default: the shipped one)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    target = load_model()
-    drafter = load_drafter(shipped_drafter(target), target)
+    target, path = target_and_drafter_path(args)
+    drafter = load_drafter(path, target)
     ids = torch.randint(0, target.cfg.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     best = {"prefill": float("inf"), "begin": float("inf"), "propose": float("inf")}
     with torch.inference_mode():
