@@ -23,14 +23,13 @@ from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.opening import stop_token_ids
 from moaspec.drafters import load_drafter
 from served import serving
-from specbench_script import parser, questions, target_and_drafter_path, write_results
+from specbench_script import add_penalty_arguments, parser, questions, target_and_drafter_path, write_results
 
 
 def main() -> None:
     ap = parser(__doc__, per_file=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--presence", type=float, default=0.5)
-    ap.add_argument("--frequency", type=float, default=0.5)
+    add_penalty_arguments(ap)
     ap.add_argument("--logprobs", type=int, default=5, help="alternatives per token where log-probabilities are asked")
     ap.add_argument("--port", type=int, default=8811)
     args = ap.parse_args()

@@ -15,14 +15,13 @@ import torch
 
 import moaspec
 from moaspec.chat import chat_messages
-from specbench_script import parser, questions, write_results
+from specbench_script import add_penalty_arguments, parser, questions, write_results
 
 
 def main() -> None:
     ap = parser(__doc__, per_file=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--presence", type=float, default=0.5)
-    ap.add_argument("--frequency", type=float, default=0.5)
+    add_penalty_arguments(ap)
     args = ap.parse_args()
 
     lm = moaspec.load(drafter=args.drafter or "shipped", threads=args.threads)

@@ -31,6 +31,12 @@ def parser(doc: str | None, per_file: int) -> argparse.ArgumentParser:
     return ap
 
 
+def add_penalty_arguments(ap: argparse.ArgumentParser) -> None:
+    """--presence and --frequency: the presence and frequency penalties a script times decoding under."""
+    ap.add_argument("--presence", type=float, default=0.5)
+    ap.add_argument("--frequency", type=float, default=0.5)
+
+
 def questions(args: argparse.Namespace) -> list[Question]:
     """The questions ``--questions``, ``--skip`` and ``--per-file`` select."""
     return load_questions(args.questions, per_file=args.per_file, skip=args.skip)

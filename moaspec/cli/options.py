@@ -7,10 +7,14 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from moaspec.errors import MoaspecError
+
+if TYPE_CHECKING:  # imported where used: the command line starts without torch
+    from moaspec.decoding.generation import TokenLogprob
+    from moaspec.decoding.sampling import SamplingParams
 
 
 def require(args: argparse.Namespace, rule: str, holds: Callable[[Any], bool], *names: str) -> None:
@@ -79,7 +83,7 @@ def add_logprobs_option(p: argparse.ArgumentParser) -> None:
                         "tokens at its position, as OpenAI's chat API gives them")
 
 
-def sampling_params(args: argparse.Namespace) -> Any:
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The :class:`~moaspec.decoding.sampling.SamplingParams` of the sampling and penalty options."""
     from moaspec.decoding import SamplingParams
 
@@ -87,7 +91,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
                           args.frequency_penalty)
 
 
-def logprobs_json(tokenizer: Any, logprobs: Any) -> list[dict[str, Any]]:
+def logprobs_json(tokenizer: Any, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """``--json``'s ``logprobs``: the entries as OpenAI's chat API's ``content`` list."""
     from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
 

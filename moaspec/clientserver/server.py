@@ -27,7 +27,7 @@ its prompt once per retry).
 from __future__ import annotations
 
 import threading
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -36,13 +36,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from moaspec.clientserver.sessions import MAX_SUPPORT, SessionError, SessionStore
 from moaspec.decoding.generation import MAX_TOP_LOGPROBS
-from moaspec.decoding.sampling import SamplingParams, logit_bias_pairs
-from moaspec.errors import MoaspecError
+from moaspec.decoding.sampling import SamplingParams
 from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.errors import APIError
+from moaspec.serving.openai_api import Adjustments
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Adjustments):
     """How the session picks the target's tokens; temperature 0 (the default) is greedy."""
 
     model_config = ConfigDict(extra="forbid")
@@ -50,17 +50,10 @@ class SamplingRequest(BaseModel):
     top_k: StrictInt = Field(0, ge=0)
     top_p: StrictFloat = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
 
     def params(self, vocab_size: int) -> SamplingParams:
-        try:
-            bias = logit_bias_pairs(self.logit_bias, vocab_size)
-        except MoaspecError as exc:
-            raise APIError(400, str(exc), param="sampling.logit_bias") from None
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.presence_penalty,
-                              self.frequency_penalty, bias)
+                              self.frequency_penalty, self.bias(vocab_size, "sampling.logit_bias"))
 
 
 class OpenRequest(BaseModel):

@@ -54,7 +54,15 @@ from moaspec.clientserver import codec
 from moaspec.cores import Cores, prefill_threads, working
 from moaspec.decoding.generation import MAX_TOP_LOGPROBS, token_logprobs
 from moaspec.decoding.prefill import Prefill, PromptCache
-from moaspec.decoding.sampling import SamplingParams, adjust, adjust_rows, count_tokens, probabilities, select_token
+from moaspec.decoding.sampling import (
+    SamplingParams,
+    adjust,
+    adjust_rows,
+    answer_counts,
+    count_tokens,
+    probabilities,
+    select_token,
+)
 from moaspec.decoding.tree import DraftTree
 from moaspec.decoding.verify import verify_greedy, verify_sampling, verify_tree
 from moaspec.drafters.moa import MoADrafter
@@ -254,10 +262,9 @@ class SessionStore:
             sid = secrets.token_urlsafe(16)
             cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
             s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s, len(prompt) + budget,
-                        sampling, None if sampling.greedy else sampling.generator(self.target.model.device), top=logprobs)
-            if sampling.penalized:
-                s.counts = torch.zeros(self.target.cfg.vocab_size, device=self.target.model.device)
-                count_tokens(s.counts, prompt[len(prompt) if answer_start is None else answer_start:])
+                        sampling, None if sampling.greedy else sampling.generator(self.target.model.device), top=logprobs,
+                        counts=answer_counts(sampling, self.target.cfg.vocab_size, self.target.model.device,
+                                             prompt[len(prompt) if answer_start is None else answer_start:]))
             self._sessions[sid] = s
         known = None
         if self.prompt_cache is not None and moa is not None:

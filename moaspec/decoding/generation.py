@@ -179,11 +179,11 @@ class TokenSink:
 
     def _entries(self, new: Sequence[int], scores: torch.Tensor | None,
                  entries: Sequence[TokenLogprob] | None) -> Sequence[TokenLogprob]:
-        """Log-probability entries for ``new`` from ``scores`` (logits ``[len(new), V]``) or as given, or none
+        """Log-probability entries for ``new`` as given, or from ``scores`` (logits ``[len(new), V]``), or none
         when not asked."""
         if self.top is None:
             return []
-        if entries is not None and len(entries) >= len(new):
+        if entries is not None:
             return entries
         if scores is None or scores.shape[0] < len(new):
             raise ValueError("log-probabilities were asked for, and this decoder did not give the logits of its tokens")

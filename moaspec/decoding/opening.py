@@ -25,6 +25,7 @@ from moaspec.decoding.generation import (
     prompt_logprobs,
 )
 from moaspec.decoding.prefill import Prefill
+from moaspec.decoding.sampling import answer_counts
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.transformer import Transformer
 
@@ -71,5 +72,5 @@ def open_generation(model: Transformer, tokenizer: Any, prompt_ids: Sequence[int
     logits, hidden, reused = prefill(model, prompt_ids, cache)
     scored = None if config.prompt_logprobs is None else prompt_logprobs(model.lm_head, prompt_ids, hidden,
                                                                           config.prompt_logprobs)
-    counts = torch.zeros(model.cfg.vocab_size, device=logits.device) if config.sampling.penalized else None
+    counts = answer_counts(config.sampling, model.cfg.vocab_size, logits.device)
     return Opening(cache, sink, generator, budget, t0, time.perf_counter() - t0, logits, hidden, reused, scored, counts)

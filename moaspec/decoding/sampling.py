@@ -152,6 +152,16 @@ def count_tokens(counts: torch.Tensor | None, tokens: Sequence[int]) -> None:
                           torch.ones(len(tokens), device=counts.device))
 
 
+def answer_counts(params: SamplingParams, vocab_size: int, device: torch.device | str,
+                  answer: Sequence[int] = ()) -> torch.Tensor | None:
+    """How often each token occurs in ``answer`` (``[V]``), what the penalties read; None without penalties."""
+    if not params.penalized:
+        return None
+    counts = torch.zeros(vocab_size, device=device)
+    count_tokens(counts, answer)
+    return counts
+
+
 def adjust_rows(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None, nodes: torch.Tensor,
                 ancestors: torch.Tensor | None = None) -> torch.Tensor:
     """A verification's logits ``[N, V]`` with the logit bias and the penalties, each row penalised by the text

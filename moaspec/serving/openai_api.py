@@ -69,7 +69,25 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Common(BaseModel):
+class Adjustments(BaseModel):
+    """OpenAI's presence and frequency penalties and logit bias, as both endpoints here and the client–server
+    protocol's ``sampling`` take them."""
+
+    model_config = ConfigDict(extra="forbid")
+    presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+
+    def bias(self, vocab_size: int, param: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; its keys are token ids written as strings (``param``: the
+        field's name in an error)."""
+        try:
+            return logit_bias_pairs(self.logit_bias, vocab_size)
+        except MoaspecError as exc:
+            raise APIError(400, str(exc), param=param) from None
+
+
+class _Common(Adjustments):
     """Parameters shared by both endpoints; unknown ones are refused (a typo should not pass silently)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -83,17 +101,7 @@ class _Common(BaseModel):
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
-
-    def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
-        """``logit_bias`` as (token id, bias) pairs; its keys are token ids written as strings."""
-        try:
-            return logit_bias_pairs(self.logit_bias, vocab_size)
-        except MoaspecError as exc:
-            raise APIError(400, str(exc), param="logit_bias") from None
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
