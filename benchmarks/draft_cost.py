@@ -8,7 +8,7 @@ level: a draft forward and its head). Medians per call, since ``observe`` also t
 prompt whole (in prefill, outside ``draft_s``). Greedy, the default tree, first turns of SpecBench;
 the drafters run one after the other on the same prompts, after a short warm-up each, once per
 weight dtype in ``--dtypes`` (fp32 and bf16 by default: the precision a drafter drafts in is
-independent of the target's, see ``drafting_dtype``).
+independent of the target's, see ``drafting_precision``).
 
     .venv/bin/python benchmarks/draft_cost.py --threads 1 --per-file 2 --max-new-tokens 128
 """

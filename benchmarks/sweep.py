@@ -8,7 +8,7 @@ default decodings at smaller draft vocabularies; ``--grid lookup``
 sweeps prompt lookup's length alone, before chains of the drafter, and grafted onto
 its smallest tree; ``--grid ngram`` the shortest lookup match that counts; ``--grid
 confidence`` longer chains cut where the drafter's probability falls below a threshold;
-``--grid dtype`` the default decodings with the drafter in its drafting dtype and in fp32;
+``--grid dtype`` the default decodings with the drafter in its drafting dtype, with int8 weights and in fp32;
 ``--grid small`` the smallest chains and trees, alone and after lookup.
 
     .venv/bin/python benchmarks/sweep.py --grid drafter --per-file 2 --max-new-tokens 128
@@ -87,7 +87,7 @@ def dtype_grid(drafters: list[Drafter]) -> dict[str, Strategy]:
     labelled by the dtype it drafts in."""
     grid = {}
     for d in drafters:
-        dtype = str(d.weight_dtype).removeprefix("torch.")
+        dtype = d.precision
         grid[f"chain-2-{dtype}"] = Strategy(d, chain=2)
         grid[f"tree-2x2-4-{dtype}"] = Strategy(d, tree=TreeShape(2, 2, 4))
         grid[f"lookup-10+chain-2-{dtype}"] = Strategy(d, chain=2, lookup=10)
@@ -131,8 +131,9 @@ def main() -> None:
         vocabs = {full.cfg.draft_vocab_size: full, **smaller_vocabularies(path, lm, full, VOCAB_SIZES)}
         configs = {"vanilla": Strategy(), **vocab_grid(vocabs)}
     elif args.grid == "dtype":
-        exact = [load_drafter(path, lm, torch.float32)] if full.weight_dtype != torch.float32 else []
-        configs = {"vanilla": Strategy(), **dtype_grid([full, *exact])}
+        others = [load_drafter(path, lm).use_int8()] if not full.int8_products else []
+        others += [load_drafter(path, lm, torch.float32)] if full.weight_dtype != torch.float32 else []
+        configs = {"vanilla": Strategy(), **dtype_grid([full, *others])}
     else:
         configs = {"vanilla": Strategy(), **GRIDS[args.grid](full)}
 

@@ -76,7 +76,7 @@ def machine_key(target: LoadedModel, drafter_path: str | Path, drafter: Drafter 
         "drafter": str(path),
         "drafter_bytes": stat.st_size if stat else None,
         "drafter_mtime_ns": stat.st_mtime_ns if stat else None,
-        "drafter_dtype": None if drafter is None else str(drafter.weight_dtype).removeprefix("torch."),
+        "drafter_dtype": None if drafter is None else drafter.precision,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.machine()}",
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "torch": torch.__version__,

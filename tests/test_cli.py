@@ -80,19 +80,22 @@ def test_drafter_dtype_option_reaches_every_drafter_load(tiny_dirs, monkeypatch)
 
     from moaspec.cli import build_parser
     from moaspec.cli.options import load_target
-    from moaspec.drafters.checkpoint import DTYPE_VARIABLE, drafting_dtype
+    from moaspec.drafters.checkpoint import DTYPE_VARIABLE, drafting_precision
     from moaspec.errors import MoaspecError
+    from moaspec.models.packed_linear import bf16_kernels
 
     monkeypatch.setenv(DTYPE_VARIABLE, "auto")  # restored after the test, whatever load_target sets
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         args = build_parser().parse_args(["generate", "hi", "--model", str(tiny_dirs["llama"]), "--drafter-dtype", name])
         loaded = load_target(args)
-        assert os.environ[DTYPE_VARIABLE] == name and drafting_dtype(loaded) == dtype
+        assert os.environ[DTYPE_VARIABLE] == name and drafting_precision(loaded) == (dtype, False)
         assert loaded.model.dtype == torch.float32  # the target keeps its own
+    args = build_parser().parse_args(["generate", "hi", "--model", str(tiny_dirs["llama"]), "--drafter-dtype", "int8"])
+    assert drafting_precision(load_target(args)) == (torch.bfloat16 if bf16_kernels() else torch.float32, True)
     monkeypatch.setenv(DTYPE_VARIABLE, "float64")
     with pytest.raises(MoaspecError, match="MOASPEC_DRAFTER_DTYPE='float64'"):
-        drafting_dtype(loaded)
-    proc = run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), "--drafter-dtype", "int8")
+        drafting_precision(loaded)
+    proc = run_cli("generate", "hi", "--model", str(tiny_dirs["llama"]), "--drafter-dtype", "int4")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr and "Traceback" not in proc.stderr
 
 

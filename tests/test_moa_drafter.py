@@ -10,7 +10,14 @@ import torch
 
 from moaspec.decoding import GenerationConfig, SamplingParams
 from moaspec.decoding.speculative import generate_chain
-from moaspec.drafters.checkpoint import DrafterError, drafting_dtype, load_drafter, save_drafter, target_identity
+from moaspec.drafters.checkpoint import (
+    DTYPE_VARIABLE,
+    DrafterError,
+    drafting_precision,
+    load_drafter,
+    save_drafter,
+    target_identity,
+)
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.drafters.proposers import proposer_for
 from moaspec.models.config import ModelConfig
@@ -196,10 +203,37 @@ def test_drafters_load_in_the_drafting_dtype_with_one_fingerprint(tiny_llama, tm
     path = save_drafter(make_drafter(tiny_llama, vocab=100), tmp_path / "d", target_identity(tiny_llama), {})
     default, exact = load_drafter(path, tiny_llama), load_drafter(path, tiny_llama, torch.float32)
     want = torch.bfloat16 if bf16_kernels() else torch.float32
-    assert drafting_dtype(tiny_llama) == want and default.weight_dtype == want
+    assert drafting_precision(tiny_llama) == (want, False) and default.weight_dtype == want
     assert default.head(torch.zeros(1, tiny_llama.cfg.hidden_size, dtype=want)).dtype == want  # the head came along
     assert tiny_llama.model.dtype == torch.float32 and exact.weight_dtype == torch.float32
     assert default.fingerprint() == exact.fingerprint()
+
+
+def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_llama, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                        monkeypatch) -> None:
+    """``--drafter-dtype int8`` gives the drafter's products and its head int8 copies, in the activations "auto"
+    picks; the layers Target Layer Inference borrows stay the target's float products (an int8 copy there would
+    change the text), training drops the copies and eval makes them again, and the fingerprint is the float
+    drafter's, so a client drafting in int8 agrees with a server in bf16."""
+    from moaspec.models.packed_linear import Linear, int8_supported
+
+    path = save_drafter(make_drafter(tiny_llama, vocab=100, tli=1), tmp_path / "d", target_identity(tiny_llama), {})
+    monkeypatch.setenv(DTYPE_VARIABLE, "int8")
+    want = torch.bfloat16 if bf16_kernels() else torch.float32
+    assert drafting_precision(tiny_llama) == (want, True)
+    drafter = load_drafter(path, tiny_llama)
+    if not int8_supported(drafter._borrowed["head"].weight):
+        pytest.skip("no int8 CPU kernel in this torch build")
+    own = [m for m in drafter.modules() if isinstance(m, Linear)]
+    assert drafter.precision == "int8" and drafter.weight_dtype == want
+    assert own and all(m.int8 is not None for m in own) and drafter._borrowed["head"].int8 is not None
+    assert not any(isinstance(m, Linear) and m.int8 is not None for m in tiny_llama.model.modules())
+    assert drafter.head(torch.zeros(1, tiny_llama.cfg.hidden_size, dtype=want)).dtype == want
+    assert drafter.fingerprint() == load_drafter(path, tiny_llama, torch.float32).fingerprint()
+    drafter.train()
+    assert all(m.int8 is None for m in own)
+    drafter.eval()
+    assert all(m.int8 is not None for m in own)
 
 
 def test_bf16_drafters_keep_their_caches_in_fp32_on_a_cpu(tiny_llama) -> None:  # type: ignore[no-untyped-def]

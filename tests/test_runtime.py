@@ -322,6 +322,42 @@ def test_packed_linear_keeps_gradients(pairs) -> None:  # type: ignore[no-untype
         torch.testing.assert_close(block.mlp(x), y, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_products_compute_the_product_of_the_rounded_weight(dtype: torch.dtype) -> None:
+    """An int8 copy's product is the product of the weight rounded per row to 255 levels (in any leading
+    shape, with a bias); products of more rows than aten's kernel is quick for, training, gradients and widths
+    it gets wrong keep the float weight, and unpacking drops the copy."""
+    from moaspec.models import packed_linear
+
+    torch.manual_seed(0)
+    lin = packed_linear.Linear(64, 40).to(dtype)
+    lin.quantize()
+    if not packed_linear.int8_supported(lin.weight):
+        pytest.skip("no int8 CPU kernel in this torch build")
+    q, scales = lin.int8
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    rounded = q.float() * scales.float()[:, None]
+    assert (rounded - lin.weight.float()).abs().max() <= scales.float().max() / 2 + 1e-2 * lin.weight.abs().max()
+    x = torch.randn(2, 3, 64).to(dtype)
+    with torch.inference_mode():
+        got = lin(x)
+    want = x.float() @ rounded.T + lin.bias.float()
+    assert got.dtype == dtype and got.shape == (2, 3, 40)
+    torch.testing.assert_close(got.float(), want, atol=0.03 if dtype == torch.bfloat16 else 1e-4, rtol=0.02)
+    many = torch.randn(packed_linear.INT8_MAX_ROWS + 1, 64).to(dtype)
+    with torch.inference_mode():
+        exact = torch.nn.functional.linear(many.float(), lin.weight.float(), lin.bias.float())
+        assert (lin(many).float() - exact).abs().max() < (many.float() @ rounded.T + lin.bias.float() - exact).abs().max()
+    x.requires_grad_(True)
+    lin(x).sum().backward()  # training reads the parameter, gradients flow
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    narrow = packed_linear.Linear(30, 8).to(dtype)
+    narrow.quantize()
+    assert narrow.int8 is None  # 30 input columns: bf16 activations gave garbage there
+    lin.unpack()
+    assert lin.int8 is None
+
+
 @pytest.mark.parametrize("kernel", ["plain", "packed", "padded"])
 def test_every_small_row_kernel_computes_the_plain_product(monkeypatch, kernel: str) -> None:  # type: ignore[no-untyped-def]
     """Whichever kernel runs a small product (MKL, oneDNN's packed weight, or the packed weight on rows

@@ -49,7 +49,7 @@ class OracleProposer:
 
 
 def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa", newest: bool = False,  # type: ignore[no-untyped-def]
-                 dtype: torch.dtype = torch.float32, derotate: bool = False) -> MoAProposer:
+                 dtype: torch.dtype = torch.float32, derotate: bool = False, int8: bool = False) -> MoAProposer:
     torch.manual_seed(3)
     d = MoADrafter(MoAConfig.for_target(loaded.cfg, tli_layers=tli, draft_vocab_size=vocab, memory_source=memory,
                                         newest_entry=newest, derotate_keys=derotate)).to(dtype)
@@ -59,20 +59,21 @@ def moa_proposer(loaded, tli: int = 0, vocab: int = 0, memory: str = "lsa", newe
     if vocab:
         d.set_draft_vocab(torch.arange(vocab))
     d.attach(loaded.model)
-    return MoAProposer(d.eval())
+    return MoAProposer(d.eval().use_int8(int8))
 
 
-def eagle_proposer(loaded, vocab: int = 0, dtype: torch.dtype = torch.float32) -> EagleProposer:  # type: ignore[no-untyped-def]
+def eagle_proposer(loaded, vocab: int = 0, dtype: torch.dtype = torch.float32,  # type: ignore[no-untyped-def]
+                   int8: bool = False) -> EagleProposer:
     torch.manual_seed(4)
     d = EagleDrafter(EagleConfig.for_target(loaded.cfg, draft_vocab_size=vocab)).to(dtype)
     if vocab:
         d.set_draft_vocab(torch.arange(vocab))
     d.attach(loaded.model)
-    return EagleProposer(d.eval())
+    return EagleProposer(d.eval().use_int8(int8))
 
 
 def independent_proposer(loaded, vocab: int = 0, layers: int = 1,  # type: ignore[no-untyped-def]
-                          dtype: torch.dtype = torch.float32) -> IndependentProposer:
+                          dtype: torch.dtype = torch.float32, int8: bool = False) -> IndependentProposer:
     """A drafter made of the target's first ``layers`` blocks; all of them makes it the target itself."""
     d = IndependentDrafter(IndependentConfig.for_target(loaded.cfg, draft_vocab_size=vocab, layers=layers))
     if vocab:
@@ -80,7 +81,7 @@ def independent_proposer(loaded, vocab: int = 0, layers: int = 1,  # type: ignor
     d.copy_target_layers(loaded.model)
     d = d.to(dtype)
     d.attach(loaded.model)
-    return IndependentProposer(d.eval())
+    return IndependentProposer(d.eval().use_int8(int8))
 
 
 PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
@@ -89,8 +90,10 @@ PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
 @pytest.mark.parametrize("kind", ["oracle", "oracle-corrupt", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest",
                                   "moa-derot", "eagle",
                                   "independent", "independent-whole",
-                                  # drafting in bf16 beside the fp32 target (drafting_dtype on CPUs with bf16 kernels)
-                                  "moa-bf16", "moa-tli1-bf16", "moa-derot-bf16", "eagle-bf16", "independent-bf16"])
+                                  # drafting in bf16 beside the fp32 target (drafting_precision on CPUs with bf16 kernels)
+                                  "moa-bf16", "moa-tli1-bf16", "moa-derot-bf16", "eagle-bf16", "independent-bf16",
+                                  # int8 weights in the drafter's products (--drafter-dtype int8)
+                                  "moa-int8", "moa-tli1-int8", "eagle-int8", "independent-int8"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -111,6 +114,10 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "moa-tli1-bf16": lambda: moa_proposer(tiny_llama, tli=1, dtype=torch.bfloat16),
             "eagle-bf16": lambda: eagle_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16),
             "independent-bf16": lambda: independent_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16),
+            "moa-int8": lambda: moa_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
+            "moa-tli1-int8": lambda: moa_proposer(tiny_llama, tli=1, dtype=torch.bfloat16, int8=True),
+            "eagle-int8": lambda: eagle_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
+            "independent-int8": lambda: independent_proposer(tiny_llama, vocab=100, int8=True),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)

@@ -46,7 +46,7 @@ class OracleTree:
 
 
 @pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest", "eagle",
-                                  "independent", "independent-whole"])
+                                  "independent", "independent-whole", "moa-int8", "eagle-int8"])
 @pytest.mark.parametrize("shape", [TreeShape(1, 1, 2), TreeShape(3, 2, 8), TreeShape(5, 4, 24)])
 def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny_llama.model, tiny_llama.tokenizer
@@ -61,6 +61,8 @@ def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> 
             "moa-no-lsa": lambda: moa_proposer(tiny_llama, memory="last-layer"),
             "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
             "moa-newest": lambda: moa_proposer(tiny_llama, newest=True),
+            "moa-int8": lambda: moa_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
+            "eagle-int8": lambda: eagle_proposer(tiny_llama, vocab=100, int8=True),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_tree(model, tok, proposer, prompt, cfg, shape)

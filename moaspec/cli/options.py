@@ -56,11 +56,12 @@ def add_model_options(p: argparse.ArgumentParser, threads: str = "torch's choice
 
 
 def add_drafter_dtype_option(p: argparse.ArgumentParser) -> None:
-    from moaspec.drafters.checkpoint import DTYPE_CHOICES
+    from moaspec.drafters.checkpoint import DRAFTER_DTYPE_CHOICES
 
-    p.add_argument("--drafter-dtype", choices=DTYPE_CHOICES, default=None,
+    p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPE_CHOICES, default=None,
                    help="the drafters' weights and activations (default 'auto': bf16 on CPUs with oneDNN bf16 kernels, "
-                        "else the target's dtype); never changes the text, only which drafts are accepted")
+                        "else the target's dtype; 'int8': products read int8 weights, activations as 'auto'); never "
+                        "changes the text, only which drafts are accepted")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, seed_help: str = "seed for sampling") -> None:
@@ -226,10 +227,11 @@ def bench_settings(args: argparse.Namespace, loaded, *skip: str) -> dict[str, ob
     """The options that shape a benchmark's methods, recorded in its summary (and checked when it resumes),
     with the dtypes and device the target and drafters actually ran in rather than "auto": a half-precision
     target's greedy answers may part from vanilla's, so a reader of the figures must see which it was."""
-    from moaspec.drafters.checkpoint import drafting_dtype
+    from moaspec.drafters.checkpoint import drafting_precision
 
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "no_progress", *skip)}
-    settings["drafter_dtype"] = str(drafting_dtype(loaded)).removeprefix("torch.")
+    dtype, int8 = drafting_precision(loaded)
+    settings["drafter_dtype"] = "int8" if int8 else str(dtype).removeprefix("torch.")
     settings["target_dtype"] = str(loaded.model.dtype).removeprefix("torch.")
     settings["target_device"] = str(loaded.model.device)
     return settings

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moaspec.models.config import ModelConfig
-from moaspec.models.packed_linear import Linear, pack_linears
+from moaspec.models.packed_linear import Linear, pack_linears, quantize_linears
 from moaspec.models.transformer import Transformer, rope_tables
 from moaspec.validation import real_number, whole_number
 
@@ -115,6 +115,7 @@ class Drafter(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._borrowed: dict[str, Any] = {}
+        self.int8_products = False  # see use_int8
 
     def attach(self, target: Transformer, vocab_limit: int | None = None) -> None:
         """Borrow the target's parts; the head is a copy of the draft-vocabulary rows of ``lm_head``, in the
@@ -135,7 +136,7 @@ class Drafter(nn.Module):
         head = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         head.weight = nn.Parameter(weight.to(self.weight_dtype, copy=True), requires_grad=False)
         self._borrowed = {"target": target, "head": head}
-        pack_linears(head, not self.training)
+        self._prepare_products(head)
 
     @property
     def target(self) -> Transformer:
@@ -174,14 +175,37 @@ class Drafter(nn.Module):
 
     def train(self, mode: bool = True) -> Drafter:
         super().train(mode)
-        pack_linears(self, not mode)  # packed weights are stale once training changes them
+        self._prepare_products(self)
         if "head" in self._borrowed:
-            pack_linears(self._borrowed["head"], not mode)
+            self._prepare_products(self._borrowed["head"])
         return self
+
+    def use_int8(self, enable: bool = True) -> Drafter:
+        """Let inference products read int8 copies of the weights (the head's too) where the CPU kernel exists.
+
+        A drafting step streams the drafter's weights right after the target's forward has evicted them from
+        the caches, so its time is their bytes: int8 halves bf16's (BENCHMARKS.md, "Int8 drafter weights").
+        Activations keep the weights' dtype, the parameters are untouched, and the text cannot change: only
+        which drafts the target accepts.
+        """
+        self.int8_products = enable
+        self.train(self.training)
+        return self
+
+    def _prepare_products(self, module: nn.Module) -> None:
+        """Inference copies of ``module``'s weights for eval, none in training (they would go stale)."""
+        pack_linears(module, not self.training)
+        if self.int8_products and not self.training:
+            quantize_linears(module)
 
     @property
     def weight_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
+
+    @property
+    def precision(self) -> str:
+        """How it drafts, as ``--drafter-dtype`` names it: its weights' dtype, or "int8"."""
+        return "int8" if self.int8_products else str(self.weight_dtype).removeprefix("torch.")
 
     @property
     def cache_dtype(self) -> torch.dtype:

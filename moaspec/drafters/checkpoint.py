@@ -105,36 +105,38 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
 
 
 DTYPE_VARIABLE = "MOASPEC_DRAFTER_DTYPE"  # what `--drafter-dtype` sets; processes it starts (servers) inherit it
-DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)
+DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)  # the target's --dtype
+DRAFTER_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")  # int8: int8 weights in products, activations as "auto" says
 
 
-def drafting_dtype(target: LoadedModel) -> torch.dtype:
-    """The dtype a drafter runs in beside ``target`` at inference: ``$MOASPEC_DRAFTER_DTYPE`` when set to
-    anything but "auto"; otherwise bf16 on a CPU whose oneDNN has bf16 kernels, the target's own dtype elsewhere.
+def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
+    """The dtype a drafter's weights and activations take beside ``target`` at inference, and whether its
+    products read int8 copies of the weights: ``$MOASPEC_DRAFTER_DTYPE`` when set to anything but "auto";
+    otherwise bf16 on a CPU whose oneDNN has bf16 kernels, the target's own dtype elsewhere, without int8.
 
     A drafting step is memory-bound matrix–vector work over the drafter's weights, and
     oneDNN's packed bf16 products stream half the bytes of fp32 ones (BENCHMARKS.md,
-    "Drafting in bf16 on the CPU"). The target keeps its dtype: its outputs are what
-    decoding reproduces, while a drafter only proposes, so its precision can change which
-    drafts are accepted but never the text.
+    "Drafting in bf16 on the CPU"); int8 copies halve them again ("Int8 drafter weights").
+    The target keeps its dtype: its outputs are what decoding reproduces, while a drafter
+    only proposes, so its precision can change which drafts are accepted but never the text.
     """
     choice = os.environ.get(DTYPE_VARIABLE, "auto")
-    if choice not in DTYPE_CHOICES:
-        raise MoaspecError(f"{DTYPE_VARIABLE}={choice!r}: expected one of {', '.join(DTYPE_CHOICES)}")
-    if choice != "auto":
-        return FLOAT_DTYPES[choice]
+    if choice not in DRAFTER_DTYPE_CHOICES:
+        raise MoaspecError(f"{DTYPE_VARIABLE}={choice!r}: expected one of {', '.join(DRAFTER_DTYPE_CHOICES)}")
+    if choice in FLOAT_DTYPES:
+        return FLOAT_DTYPES[choice], False
     model = target.model
-    if model.device.type == "cpu" and model.dtype == torch.float32 and bf16_kernels():
-        return torch.bfloat16
-    return model.dtype
+    bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and bf16_kernels()
+    return (torch.bfloat16 if bf16 else model.dtype), choice == "int8"
 
 
 def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | None = None) -> Drafter:
     """Load a drafter for ``target`` (refusing one made for another target), attached and in eval mode.
 
-    ``dtype``: its weights' dtype; ``None`` drafts in :func:`drafting_dtype`. Training and
-    exports pass the target's dtype, which keeps the checkpoint's precision.
+    ``dtype``: its weights' dtype; ``None`` drafts in :func:`drafting_precision`. Training and
+    exports pass the target's dtype, which keeps the checkpoint's precision (and no int8 copies).
     """
+    dtype, int8 = drafting_precision(target) if dtype is None else (dtype, False)
     path = Path(path)
     meta = read_meta(path)
     check_target(meta, target, path)
@@ -156,7 +158,7 @@ def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | Non
                            "wrote it diverged; use an earlier checkpoint or train again with a lower --lr")
     model = target.model
     try:
-        drafter = drafter_cls(cfg).to(device=model.device, dtype=dtype or drafting_dtype(target))
+        drafter = drafter_cls(cfg).to(device=model.device, dtype=dtype).use_int8(int8)
     except (RuntimeError, ValueError, MemoryError) as exc:  # sizes a hand-edited config.json made impossible
         raise DrafterError(f"{path} has an invalid drafter config: cannot build it ({brief(exc)})") from None
     expected = drafter.state_dict()

@@ -69,7 +69,7 @@ def usable_device(device: torch.device | str | None) -> torch.device:
 # SmolLM2 in bf16 on a CPU, MoA chains differed from vanilla on 8 of 12 SpecBench prompts and trees on 11 of 12
 # (BENCHMARKS.md, "Half precision is not lossless"). So bf16 stays a choice for speed (``--dtype bfloat16``, e.g. on
 # GPUs), not the default. Drafters, whose precision never changes the text, draft in bf16 where a CPU has bf16
-# kernels (``drafting_dtype``).
+# kernels (``drafting_precision``).
 DEFAULT_DTYPE = torch.float32
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # what the runtime runs
 

@@ -15,6 +15,13 @@ choice is measured once per process, with forwards of the first large model load
 (:func:`measure_small_row_kernels`). The dense weight stays the parameter (state dicts,
 training and gradient flow are unchanged); the packed copy is used only when no gradient
 is needed.
+
+A drafter's small products can also read an int8 copy of each weight (:meth:`Linear.quantize`):
+a drafting step is the same memory-bound work on weights the target's forward has just
+evicted from the caches, so half of bf16's bytes is what it saves. aten's int8 kernel
+costs time in proportion to the rows, though (a product of 16 rows took longer than
+oneDNN's bf16 one, 256 rows 2.8 times as long), so products of more than
+``INT8_MAX_ROWS`` rows, such as a drafter's pass over a prompt, keep the packed weight.
 """
 
 from __future__ import annotations
@@ -83,10 +90,36 @@ def _padded_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     return _packed_product(padded, packed, bias)[: x.shape[0]]
 
 
+INT8_MAX_ROWS = 8  # int8 took 0.54, 0.55, 0.78, 1.0 and 1.2 times packed bf16's time for 1, 4, 8, 12 and 16 rows
+INT8_COLUMNS = 32  # with bf16 activations aten's CPU int8 kernel was wrong for 1, 7, 8, 9 and 30 input columns, right for 16, 48, 96
+
+
+def int8_supported(weight: torch.Tensor) -> bool:
+    """aten's weight-only int8 product (``_weight_int8pack_mm``, what torchao and torchchat run for int8 weights
+    on a CPU in eager mode) exists for CPU tensors with fp32 or bf16 activations; with bf16 ones it returns
+    garbage or crashes unless the input width is a multiple of its vector width, so other widths keep their
+    float weights."""
+    return (
+        weight.device.type == "cpu"
+        and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.shape[1] % INT8_COLUMNS == 0
+    )
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8 weights and their scales (in the weight's dtype): ``weight ≈ q * scales[:, None]``."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scales.to(weight.dtype)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` plus an optional inference-only prepacked copy of its weight."""
+    """``nn.Linear`` plus an optional inference-only copy of its weight: prepacked for oneDNN, or int8."""
 
     packed: torch.Tensor | None = None
+    int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights, per-row scales), see int8_rows
 
     def pack(self) -> None:
         """Prepack the current weight; call again after the weight changes."""
@@ -95,13 +128,27 @@ class Linear(nn.Linear):
 
     def unpack(self) -> None:
         self.packed = None
+        self.int8 = None
+
+    def quantize(self) -> None:
+        """Products of at most ``INT8_MAX_ROWS`` rows read an int8 copy of the current weight, where supported;
+        the parameter stays as it is (state dicts and fingerprints are unchanged)."""
+        if int8_supported(self.weight):
+            self.int8 = int8_rows(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # activations of the weight's dtype only: under CPU autocast (bf16) F.linear casts as autocast wants
-        if (self.packed is None or x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type)
+        if ((self.packed is None and self.int8 is None) or x.dtype != self.weight.dtype
+                or torch.is_autocast_enabled(x.device.type)
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
+        if self.int8 is not None and rows <= INT8_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features).contiguous(), *self.int8)
+            y = y if self.bias is None else y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
         # measured on fp32 weights; oneDNN's bf16 kernels are the fastest for every row count here
         kernel = _kernels.choose(rows) if (
             _kernels is not None and rows < PAD_ROWS and x.dtype == torch.float32) else "packed"
@@ -188,6 +235,14 @@ def packing_refused(module: nn.Module) -> str | None:
         return (f"their packed copies would take {need / 2**30:.1f} GiB more and {free / 2**30:.1f} GiB is available; "
                 f"{PACK_ENV}=1 packs them anyway")
     return None
+
+
+def quantize_linears(module: nn.Module) -> None:
+    """Give every :class:`Linear` inside ``module`` that supports it an int8 copy of its weight for small
+    products; :func:`pack_linears` with ``enable=False`` drops them."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.quantize()
 
 
 def pack_linears(module: nn.Module, enable: bool = True, forward: Callable[[int], None] | None = None) -> None:
