@@ -131,7 +131,7 @@ def main() -> None:
         vocabs = {full.cfg.draft_vocab_size: full, **smaller_vocabularies(path, lm, full, VOCAB_SIZES)}
         configs = {"vanilla": Strategy(), **vocab_grid(vocabs)}
     elif args.grid == "dtype":
-        others = [load_drafter(path, lm).use_int8()] if not full.int8_products else []
+        others = [load_drafter(path, lm).use_int8(not full.int8_products)]  # int8 weights, or not
         others += [load_drafter(path, lm, torch.float32)] if full.weight_dtype != torch.float32 else []
         configs = {"vanilla": Strategy(), **dtype_grid([full, *others])}
     else:

@@ -198,12 +198,13 @@ def test_checkpoint_round_trip(tiny_llama, tmp_path: Path) -> None:  # type: ign
 
 
 def test_drafters_load_in_the_drafting_dtype_with_one_fingerprint(tiny_llama, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """By default a drafter drafts in bf16 beside an fp32 target on a CPU with bf16 kernels; the target keeps fp32,
-    and a client in one dtype and a server in another still agree on the drafter's identity."""
+    """By default a drafter drafts in bf16 (with int8 weights) beside an fp32 target on a CPU with bf16 kernels;
+    the target keeps fp32, and a client in one dtype and a server in another still agree on the drafter's
+    identity."""
     path = save_drafter(make_drafter(tiny_llama, vocab=100), tmp_path / "d", target_identity(tiny_llama), {})
     default, exact = load_drafter(path, tiny_llama), load_drafter(path, tiny_llama, torch.float32)
     want = torch.bfloat16 if bf16_kernels() else torch.float32
-    assert drafting_precision(tiny_llama) == (want, False) and default.weight_dtype == want
+    assert drafting_precision(tiny_llama) == (want, bf16_kernels()) and default.weight_dtype == want
     assert default.head(torch.zeros(1, tiny_llama.cfg.hidden_size, dtype=want)).dtype == want  # the head came along
     assert tiny_llama.model.dtype == torch.float32 and exact.weight_dtype == torch.float32
     assert default.fingerprint() == exact.fingerprint()

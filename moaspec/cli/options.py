@@ -59,9 +59,9 @@ def add_drafter_dtype_option(p: argparse.ArgumentParser) -> None:
     from moaspec.drafters.checkpoint import DRAFTER_DTYPE_CHOICES
 
     p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPE_CHOICES, default=None,
-                   help="the drafters' weights and activations (default 'auto': bf16 on CPUs with oneDNN bf16 kernels, "
-                        "else the target's dtype; 'int8': products read int8 weights, activations as 'auto'); never "
-                        "changes the text, only which drafts are accepted")
+                   help="the drafters' weights and activations (default 'auto': int8 weights with bf16 activations on "
+                        "CPUs with oneDNN bf16 kernels, else the target's dtype; 'int8': int8 weights, activations as "
+                        "'auto'); never changes the text, only which drafts are accepted")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, seed_help: str = "seed for sampling") -> None:

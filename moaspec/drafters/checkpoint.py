@@ -25,7 +25,7 @@ from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.loading import FLOAT_DTYPES, LoadedModel
-from moaspec.models.packed_linear import bf16_kernels
+from moaspec.models.packed_linear import bf16_kernels, int8_kernels
 
 FORMAT = "moaspec-drafter"
 VERSION = 1
@@ -111,12 +111,14 @@ DRAFTER_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")  # int8: int8 weights in produc
 
 def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
     """The dtype a drafter's weights and activations take beside ``target`` at inference, and whether its
-    products read int8 copies of the weights: ``$MOASPEC_DRAFTER_DTYPE`` when set to anything but "auto";
-    otherwise bf16 on a CPU whose oneDNN has bf16 kernels, the target's own dtype elsewhere, without int8.
+    small products read int8 copies of the weights: ``$MOASPEC_DRAFTER_DTYPE`` when set to anything but
+    "auto"; otherwise bf16 activations and int8 weights on a CPU whose oneDNN has bf16 kernels (and whose
+    torch has aten's int8 product), the target's own dtype without int8 elsewhere.
 
     A drafting step is memory-bound matrix–vector work over the drafter's weights, and
     oneDNN's packed bf16 products stream half the bytes of fp32 ones (BENCHMARKS.md,
     "Drafting in bf16 on the CPU"); int8 copies halve them again ("Int8 drafter weights").
+    CPUs without bf16 kernels were not measured with int8 weights, so they keep their dtype.
     The target keeps its dtype: its outputs are what decoding reproduces, while a drafter
     only proposes, so its precision can change which drafts are accepted but never the text.
     """
@@ -127,7 +129,7 @@ def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
         return FLOAT_DTYPES[choice], False
     model = target.model
     bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and bf16_kernels()
-    return (torch.bfloat16 if bf16 else model.dtype), choice == "int8"
+    return (torch.bfloat16 if bf16 else model.dtype), choice == "int8" or (bf16 and int8_kernels())
 
 
 def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | None = None) -> Drafter:

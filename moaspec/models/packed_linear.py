@@ -94,6 +94,11 @@ INT8_MAX_ROWS = 8  # int8 took 0.54, 0.55, 0.78, 1.0 and 1.2 times packed bf16's
 INT8_COLUMNS = 32  # with bf16 activations aten's CPU int8 kernel was wrong for 1, 7, 8, 9 and 30 input columns, right for 16, 48, 96
 
 
+def int8_kernels() -> bool:
+    """Whether this torch build has aten's weight-only int8 CPU product."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
 def int8_supported(weight: torch.Tensor) -> bool:
     """aten's weight-only int8 product (``_weight_int8pack_mm``, what torchao and torchchat run for int8 weights
     on a CPU in eager mode) exists for CPU tensors with fp32 or bf16 activations; with bf16 ones it returns
@@ -101,7 +106,7 @@ def int8_supported(weight: torch.Tensor) -> bool:
     float weights."""
     return (
         weight.device.type == "cpu"
-        and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        and int8_kernels()
         and weight.dtype in (torch.float32, torch.bfloat16)
         and weight.shape[1] % INT8_COLUMNS == 0
     )
