@@ -1,0 +1,61 @@
+"""Every product of one MoA drafting step, on packed bf16 weights and on int8 copies, by row count, in one run.
+
+Why ``INT8_MAX_ROWS`` is what it is (``moaspec/models/packed_linear.py``): aten's
+weight-only int8 kernel streams half the bytes of oneDNN's packed bf16 product, but
+its time grows with the rows, so past some row count the packed weight is faster.
+This runs each of the drafter's own linear layers and its head once per round (what a
+drafting step multiplies), both ways, alternating, each round after a 64 MB memory
+sweep (the caches evicted, as the target's forward leaves them in decoding); medians:
+
+    .venv/bin/python benchmarks/int8_products.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from moaspec.drafters import load_drafter
+from moaspec.models.packed_linear import Linear
+from specbench_script import target_and_drafter_path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the shipped MoA drafter)")
+    ap.add_argument("--rows", default="1,2,4,8,12,16,32,64,256", help="comma list of row counts")
+    ap.add_argument("--repeats", type=int, default=40)
+    args = ap.parse_args()
+    target, path = target_and_drafter_path(args)  # sets --threads
+    drafter = load_drafter(path, target, torch.bfloat16).use_int8()
+    layers = [m for m in drafter.modules() if isinstance(m, Linear)] + [drafter._borrowed["head"]]
+    if any(m.int8 is None or m.packed is None for m in layers):
+        raise SystemExit("this CPU lacks oneDNN's bf16 kernels or aten's int8 product: nothing to compare")
+    int8 = {m: m.int8 for m in layers}
+    junk = torch.zeros(64 * 2**20 // 4)
+    mb = sum(m.weight.numel() for m in layers) / 2**20
+    print(f"{len(layers)} products, {2 * mb:.1f} MB in bf16, {mb:.1f} MB in int8")
+    print(f"{'rows':>5}{'packed bf16 ms':>16}{'int8 ms':>9}{'int8 / bf16':>13}")
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            xs = [torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in layers]
+            times: dict[str, list[float]] = {"packed": [], "int8": []}
+            for _ in range(args.repeats):
+                for way in times:
+                    for m in layers:  # int8 copies on or off; forward picks int8 for up to INT8_MAX_ROWS rows
+                        m.int8 = int8[m] if way == "int8" else None
+                    junk.add_(1.0)
+                    t0 = time.perf_counter()
+                    for m, x in zip(layers, xs):
+                        torch.ops.aten._weight_int8pack_mm(x, *m.int8) if way == "int8" else m(x)
+                    times[way].append(time.perf_counter() - t0)
+            packed, quant = (statistics.median(times[w]) * 1e3 for w in ("packed", "int8"))
+            print(f"{rows:>5}{packed:>16.3f}{quant:>9.3f}{quant / packed:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
