@@ -19,8 +19,8 @@ is needed.
 A drafter's small products can also read an int8 copy of each weight (:meth:`Linear.quantize`):
 a drafting step is the same memory-bound work on weights the target's forward has just
 evicted from the caches, so half of bf16's bytes is what it saves. aten's int8 kernel
-costs time in proportion to the rows, though (a product of 16 rows took longer than
-oneDNN's bf16 one, 256 rows 2.8 times as long), so products of more than
+costs time in proportion to the rows, though (16 rows took as long as oneDNN's bf16
+products, 256 rows 2.7 times as long), so products of more than
 ``INT8_MAX_ROWS`` rows, such as a drafter's pass over a prompt, keep the packed weight.
 """
 
@@ -90,7 +90,8 @@ def _padded_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     return _packed_product(padded, packed, bias)[: x.shape[0]]
 
 
-INT8_MAX_ROWS = 8  # int8 took 0.54, 0.55, 0.78, 1.0 and 1.2 times packed bf16's time for 1, 4, 8, 12 and 16 rows
+INT8_MAX_ROWS = 8  # a drafting step's products in int8 took 0.37-0.42, 0.54, 0.83 and 0.98 times packed bf16's time
+# for 1-4, 8, 12 and 16 rows, 2.7 times for 256 (benchmarks/int8_products.py, AMD EPYC)
 INT8_COLUMNS = 32  # with bf16 activations aten's CPU int8 kernel was wrong for 1, 7, 8, 9 and 30 input columns, right for 16, 48, 96
 
 
