@@ -36,6 +36,8 @@ def main() -> None:
     if any(m.int8 is None or m.packed is None for m in layers):
         raise SystemExit("this CPU lacks oneDNN's bf16 kernels or aten's int8 product: nothing to compare")
     int8 = {m: m.int8 for m in layers}
+    for m in layers:  # so that m(x) is the packed bf16 product at every row count
+        m.int8 = None
     junk = torch.zeros(64 * 2**20 // 4)
     mb = sum(m.weight.numel() for m in layers) / 2**20
     print(f"{len(layers)} products, {2 * mb:.1f} MB in bf16, {mb:.1f} MB in int8")
@@ -46,12 +48,10 @@ def main() -> None:
             times: dict[str, list[float]] = {"packed": [], "int8": []}
             for _ in range(args.repeats):
                 for way in times:
-                    for m in layers:  # int8 copies on or off; forward picks int8 for up to INT8_MAX_ROWS rows
-                        m.int8 = int8[m] if way == "int8" else None
                     junk.add_(1.0)
                     t0 = time.perf_counter()
                     for m, x in zip(layers, xs):
-                        torch.ops.aten._weight_int8pack_mm(x, *m.int8) if way == "int8" else m(x)
+                        torch.ops.aten._weight_int8pack_mm(x, *int8[m]) if way == "int8" else m(x)
                     times[way].append(time.perf_counter() - t0)
             packed, quant = (statistics.median(times[w]) * 1e3 for w in ("packed", "int8"))
             print(f"{rows:>5}{packed:>16.3f}{quant:>9.3f}{quant / packed:>13.2f}")

@@ -214,8 +214,8 @@ def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_lla
                                                                         monkeypatch) -> None:
     """``--drafter-dtype int8`` gives the drafter's products and its head int8 copies, in the activations "auto"
     picks; the layers Target Layer Inference borrows stay the target's float products (an int8 copy there would
-    change the text), training drops the copies and eval makes them again, and the fingerprint is the float
-    drafter's, so a client drafting in int8 agrees with a server in bf16."""
+    change the text), training drops the copies and eval makes them again, ``use_int8(False)`` drops them for
+    good, and the fingerprint is the float drafter's, so a client drafting in int8 agrees with a server in bf16."""
     from moaspec.models.packed_linear import Linear, int8_supported
 
     path = save_drafter(make_drafter(tiny_llama, vocab=100, tli=1), tmp_path / "d", target_identity(tiny_llama), {})
@@ -235,6 +235,9 @@ def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_lla
     assert all(m.int8 is None for m in own)
     drafter.eval()
     assert all(m.int8 is not None for m in own)
+    drafter.use_int8(False)  # what sweep.py's float copy of an int8 default does
+    assert drafter.precision == str(want).removeprefix("torch.")
+    assert all(m.int8 is None for m in own) and drafter._borrowed["head"].int8 is None
 
 
 def test_bf16_drafters_keep_their_caches_in_fp32_on_a_cpu(tiny_llama) -> None:  # type: ignore[no-untyped-def]

@@ -227,11 +227,11 @@ def bench_settings(args: argparse.Namespace, loaded, *skip: str) -> dict[str, ob
     """The options that shape a benchmark's methods, recorded in its summary (and checked when it resumes),
     with the dtypes and device the target and drafters actually ran in rather than "auto": a half-precision
     target's greedy answers may part from vanilla's, so a reader of the figures must see which it was."""
+    from moaspec.drafters.base import precision_name
     from moaspec.drafters.checkpoint import drafting_precision
 
     settings = {k: v for k, v in vars(args).items() if k not in ("output", "no_progress", *skip)}
-    dtype, int8 = drafting_precision(loaded)
-    settings["drafter_dtype"] = "int8" if int8 else str(dtype).removeprefix("torch.")
+    settings["drafter_dtype"] = precision_name(*drafting_precision(loaded))
     settings["target_dtype"] = str(loaded.model.dtype).removeprefix("torch.")
     settings["target_device"] = str(loaded.model.device)
     return settings

@@ -99,6 +99,11 @@ class DrafterConfig:
                 raise ValueError(f"the drafter expects a target with {what} {mine}, this target has {theirs}")
 
 
+def precision_name(dtype: torch.dtype, int8: bool) -> str:
+    """A drafting precision as ``--drafter-dtype`` names it: the weights' dtype, or "int8"."""
+    return "int8" if int8 else str(dtype).removeprefix("torch.")
+
+
 class Drafter(nn.Module):
     """Base of the drafters: draft vocabulary, rotary tables, and the borrowed head."""
 
@@ -193,10 +198,10 @@ class Drafter(nn.Module):
         return self
 
     def _prepare_products(self, module: nn.Module) -> None:
-        """Inference copies of ``module``'s weights for eval, none in training (they would go stale)."""
+        """Inference copies of ``module``'s weights for eval (int8 ones only with ``int8_products``), none in
+        training (they would go stale)."""
         pack_linears(module, not self.training)
-        if self.int8_products and not self.training:
-            quantize_linears(module)
+        quantize_linears(module, self.int8_products and not self.training)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -204,8 +209,8 @@ class Drafter(nn.Module):
 
     @property
     def precision(self) -> str:
-        """How it drafts, as ``--drafter-dtype`` names it: its weights' dtype, or "int8"."""
-        return "int8" if self.int8_products else str(self.weight_dtype).removeprefix("torch.")
+        """How it drafts, as ``--drafter-dtype`` names it."""
+        return precision_name(self.weight_dtype, self.int8_products)
 
     @property
     def cache_dtype(self) -> torch.dtype:

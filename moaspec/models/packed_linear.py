@@ -243,12 +243,15 @@ def packing_refused(module: nn.Module) -> str | None:
     return None
 
 
-def quantize_linears(module: nn.Module) -> None:
+def quantize_linears(module: nn.Module, enable: bool = True) -> None:
     """Give every :class:`Linear` inside ``module`` that supports it an int8 copy of its weight for small
-    products; :func:`pack_linears` with ``enable=False`` drops them."""
+    products; ``enable=False`` drops the copies (as :func:`pack_linears` with ``enable=False`` does too)."""
     for m in module.modules():
         if isinstance(m, Linear):
-            m.quantize()
+            if enable:
+                m.quantize()
+            else:
+                m.int8 = None
 
 
 def pack_linears(module: nn.Module, enable: bool = True, forward: Callable[[int], None] | None = None) -> None:
