@@ -8,6 +8,9 @@ drafting step multiplies), both ways, alternating, each round after a 64 MB memo
 sweep (the caches evicted, as the target's forward leaves them in decoding); medians:
 
     .venv/bin/python benchmarks/int8_products.py --threads 2
+
+``--fp32-activations`` adds the same products in fp32, on oneDNN's packed fp32 weights and through
+the int8 kernel with fp32 activations: why int8 copies take bf16 activations only (``int8_supported``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +33,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the shipped MoA drafter)")
     ap.add_argument("--rows", default="1,2,4,8,12,16,32,64,256", help="comma list of row counts")
     ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--fp32-activations", action="store_true", help="also fp32 products, packed and through the int8 kernel")
     args = ap.parse_args()
     target, path = target_and_drafter_path(args)  # sets --threads
     drafter = load_drafter(path, target, torch.bfloat16).use_int8()
@@ -38,24 +43,31 @@ def main() -> None:
     int8 = {m: m.int8 for m in layers}
     for m in layers:  # so that m(x) is the packed bf16 product at every row count
         m.int8 = None
+    packed32 = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.float()) for m in layers}
+    ways: dict[str, Callable[[Linear, torch.Tensor, torch.Tensor], object]] = {
+        "packed bf16": lambda m, x, x32: m(x),
+        "int8": lambda m, x, x32: torch.ops.aten._weight_int8pack_mm(x, *int8[m])}
+    if args.fp32_activations:
+        ways["packed fp32"] = lambda m, x, x32: torch.ops.mkldnn._linear_pointwise(x32, packed32[m], None, "none", [], "")
+        ways["int8, fp32 act."] = lambda m, x, x32: torch.ops.aten._weight_int8pack_mm(x32, int8[m][0], int8[m][1].float())
     junk = torch.zeros(64 * 2**20 // 4)
     mb = sum(m.weight.numel() for m in layers) / 2**20
-    print(f"{len(layers)} products, {2 * mb:.1f} MB in bf16, {mb:.1f} MB in int8")
-    print(f"{'rows':>5}{'packed bf16 ms':>16}{'int8 ms':>9}{'int8 / bf16':>13}")
+    print(f"{len(layers)} products, {2 * mb:.1f} MB in bf16, {mb:.1f} MB in int8; ms")
+    print(f"{'rows':>5}" + "".join(f"{w:>17}" for w in ways) + f"{'int8 / bf16':>13}")
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in layers]
-            times: dict[str, list[float]] = {"packed": [], "int8": []}
+            x32s = [x.float() for x in xs]
+            times: dict[str, list[float]] = {w: [] for w in ways}
             for _ in range(args.repeats):
-                for way in times:
+                for way, product in ways.items():
                     junk.add_(1.0)
                     t0 = time.perf_counter()
-                    for m, x in zip(layers, xs):
-                        torch.ops.aten._weight_int8pack_mm(x, *int8[m]) if way == "int8" else m(x)
+                    for m, x, x32 in zip(layers, xs, x32s):
+                        product(m, x, x32)
                     times[way].append(time.perf_counter() - t0)
-            packed, quant = (statistics.median(times[w]) * 1e3 for w in ("packed", "int8"))
-            print(f"{rows:>5}{packed:>16.3f}{quant:>9.3f}{quant / packed:>13.2f}")
-
+            ms = {w: statistics.median(t) * 1e3 for w, t in times.items()}
+            print(f"{rows:>5}" + "".join(f"{v:>17.3f}" for v in ms.values()) + f"{ms['int8'] / ms['packed bf16']:>13.2f}")
 
 if __name__ == "__main__":
     main()

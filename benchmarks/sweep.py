@@ -131,9 +131,10 @@ def main() -> None:
         vocabs = {full.cfg.draft_vocab_size: full, **smaller_vocabularies(path, lm, full, VOCAB_SIZES)}
         configs = {"vanilla": Strategy(), **vocab_grid(vocabs)}
     elif args.grid == "dtype":
-        others = [load_drafter(path, lm).use_int8(not full.int8_products)]  # int8 weights, or not
-        others += [load_drafter(path, lm, torch.float32)] if full.weight_dtype != torch.float32 else []
-        configs = {"vanilla": Strategy(), **dtype_grid([full, *others])}
+        # each precision as it names itself, whatever this CPU's default is
+        drafters = [load_drafter(path, lm, torch.bfloat16).use_int8(), load_drafter(path, lm, torch.bfloat16),
+                    load_drafter(path, lm, torch.float32)]
+        configs = {"vanilla": Strategy(), **dtype_grid(drafters)}
     else:
         configs = {"vanilla": Strategy(), **GRIDS[args.grid](full)}
 

@@ -212,16 +212,19 @@ def test_drafters_load_in_the_drafting_dtype_with_one_fingerprint(tiny_llama, tm
 
 def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_llama, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                                         monkeypatch) -> None:
-    """``--drafter-dtype int8`` gives the drafter's products and its head int8 copies, in the activations "auto"
-    picks; the layers Target Layer Inference borrows stay the target's float products (an int8 copy there would
-    change the text), training drops the copies and eval makes them again, ``use_int8(False)`` drops them for
-    good, and the fingerprint is the float drafter's, so a client drafting in int8 agrees with a server in bf16."""
+    """``--drafter-dtype int8`` gives the drafter's products and its head int8 copies, with bf16 activations on
+    any CPU (aten's kernel is slow with fp32 ones, so an fp32 drafter refuses int8 weights); the layers Target
+    Layer Inference borrows stay the target's float products (an int8 copy there would change the text),
+    training drops the copies and eval makes them again, ``use_int8(False)`` drops them for good, and the
+    fingerprint is the float drafter's, so a client drafting in int8 agrees with a server in bf16."""
     from moaspec.models.packed_linear import Linear, int8_supported
 
     path = save_drafter(make_drafter(tiny_llama, vocab=100, tli=1), tmp_path / "d", target_identity(tiny_llama), {})
     monkeypatch.setenv(DTYPE_VARIABLE, "int8")
-    want = torch.bfloat16 if bf16_kernels() else torch.float32
+    want = torch.bfloat16
     assert drafting_precision(tiny_llama) == (want, True)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        load_drafter(path, tiny_llama, torch.float32).use_int8()
     drafter = load_drafter(path, tiny_llama)
     if not int8_supported(drafter._borrowed["head"].weight):
         pytest.skip("no int8 CPU kernel in this torch build")
@@ -235,7 +238,7 @@ def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_lla
     assert all(m.int8 is None for m in own)
     drafter.eval()
     assert all(m.int8 is not None for m in own)
-    drafter.use_int8(False)  # what sweep.py's float copy of an int8 default does
+    drafter.use_int8(False)
     assert drafter.precision == str(want).removeprefix("torch.")
     assert all(m.int8 is None for m in own) and drafter._borrowed["head"].int8 is None
 

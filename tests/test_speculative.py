@@ -117,7 +117,7 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "moa-int8": lambda: moa_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
             "moa-tli1-int8": lambda: moa_proposer(tiny_llama, tli=1, dtype=torch.bfloat16, int8=True),
             "eagle-int8": lambda: eagle_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
-            "independent-int8": lambda: independent_proposer(tiny_llama, vocab=100, int8=True),
+            "independent-int8": lambda: independent_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)

@@ -62,7 +62,7 @@ def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> 
             "moa-final": lambda: moa_proposer(tiny_llama, memory="lsa+final"),
             "moa-newest": lambda: moa_proposer(tiny_llama, newest=True),
             "moa-int8": lambda: moa_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
-            "eagle-int8": lambda: eagle_proposer(tiny_llama, vocab=100, int8=True),
+            "eagle-int8": lambda: eagle_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_tree(model, tok, proposer, prompt, cfg, shape)

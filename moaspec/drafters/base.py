@@ -190,9 +190,12 @@ class Drafter(nn.Module):
 
         A drafting step streams the drafter's weights right after the target's forward has evicted them from
         the caches, so its time is their bytes: int8 halves bf16's (BENCHMARKS.md, "Int8 drafter weights").
-        Activations keep the weights' dtype, the parameters are untouched, and the text cannot change: only
-        which drafts the target accepts.
+        Activations keep the weights' dtype, bf16 (the only one the kernel is quick with), the parameters are
+        untouched, and the text cannot change: only which drafts the target accepts.
         """
+        if enable and self.weight_dtype != torch.bfloat16:
+            raise ValueError("int8 weights take bf16 activations: with fp32 ones aten's int8 product took 3 to 25 "
+                             "times as long as fp32 products (load the drafter in bf16 first)")
         self.int8_products = enable
         self.train(self.training)
         return self

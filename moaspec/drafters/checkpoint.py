@@ -106,19 +106,22 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
 
 DTYPE_VARIABLE = "MOASPEC_DRAFTER_DTYPE"  # what `--drafter-dtype` sets; processes it starts (servers) inherit it
 DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)  # the target's --dtype
-DRAFTER_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")  # int8: int8 weights in products, activations as "auto" says
+DRAFTER_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")  # int8: int8 weights in small products, bf16 activations
 
 
 def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
     """The dtype a drafter's weights and activations take beside ``target`` at inference, and whether its
     small products read int8 copies of the weights: ``$MOASPEC_DRAFTER_DTYPE`` when set to anything but
     "auto"; otherwise bf16 activations and int8 weights on a CPU whose oneDNN has bf16 kernels (and whose
-    torch has aten's int8 product), the target's own dtype without int8 elsewhere.
+    torch has aten's int8 product), the target's own dtype without int8 elsewhere. "int8" asks for bf16
+    activations and int8 weights on any CPU (off a CPU it is "auto").
 
     A drafting step is memory-bound matrix–vector work over the drafter's weights, and
     oneDNN's packed bf16 products stream half the bytes of fp32 ones (BENCHMARKS.md,
     "Drafting in bf16 on the CPU"); int8 copies halve them again ("Int8 drafter weights").
-    CPUs without bf16 kernels were not measured with int8 weights, so they keep their dtype.
+    CPUs without bf16 kernels were not measured with int8 weights, so by default they keep their dtype;
+    int8 weights never come with fp32 activations: with them aten's kernel took 3 to 25 times as
+    long as oneDNN's fp32 products ("Int8 drafter weights on an Intel Xeon").
     The target keeps its dtype: its outputs are what decoding reproduces, while a drafter
     only proposes, so its precision can change which drafts are accepted but never the text.
     """
@@ -128,8 +131,11 @@ def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
     if choice in FLOAT_DTYPES:
         return FLOAT_DTYPES[choice], False
     model = target.model
-    bf16 = model.device.type == "cpu" and model.dtype == torch.float32 and bf16_kernels()
-    return (torch.bfloat16 if bf16 else model.dtype), choice == "int8" or (bf16 and int8_kernels())
+    cpu = model.device.type == "cpu"
+    if choice == "int8" and cpu:  # aten's int8 product is quick with bf16 activations alone (int8_supported)
+        return torch.bfloat16, True
+    bf16 = cpu and model.dtype == torch.float32 and bf16_kernels()
+    return (torch.bfloat16 if bf16 else model.dtype), bf16 and int8_kernels()
 
 
 def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | None = None) -> Drafter:

@@ -101,14 +101,18 @@ def int8_kernels() -> bool:
 
 
 def int8_supported(weight: torch.Tensor) -> bool:
-    """aten's weight-only int8 product (``_weight_int8pack_mm``) exists for CPU tensors with fp32 or bf16
-    activations; with bf16 ones it returns garbage or crashes unless the input width is a multiple of its
-    vector width, so other widths keep their float weights. (torchao 0.18's int8 weight-only tensors took
-    2–3 times bf16's time for a drafting step's products on this project's CPU; this kernel half of it.)"""
+    """Whether ``weight``'s products may read an int8 copy: aten's weight-only int8 product
+    (``_weight_int8pack_mm``) on a CPU, with bf16 activations, for input widths that are a multiple of
+    its vector width (for others it returned garbage or crashed).
+
+    It also takes fp32 activations, but then a drafting step's products of 1 to 16 rows took 3 to 25
+    times as long as on oneDNN's packed fp32 weights (an AVX-512 Intel Xeon, BENCHMARKS.md, "Int8 drafter
+    weights on an Intel Xeon"), so fp32 weights keep their float products. (torchao 0.18's int8 weight-only
+    tensors took 2–3 times bf16's time for a drafting step's products; this kernel half of it.)"""
     return (
         weight.device.type == "cpu"
         and int8_kernels()
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == torch.bfloat16
         and weight.shape[1] % INT8_COLUMNS == 0
     )
 
