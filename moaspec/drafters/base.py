@@ -194,7 +194,7 @@ class Drafter(nn.Module):
         untouched, and the text cannot change: only which drafts the target accepts.
         """
         if enable and self.weight_dtype != torch.bfloat16:
-            raise ValueError("int8 weights take bf16 activations: with fp32 ones aten's int8 product took 3 to 25 "
+            raise ValueError("int8 weights take bf16 activations: with fp32 ones aten's int8 product took 2 to 30 "
                              "times as long as fp32 products (load the drafter in bf16 first)")
         self.int8_products = enable
         self.train(self.training)

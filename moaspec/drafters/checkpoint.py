@@ -120,7 +120,7 @@ def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
     oneDNN's packed bf16 products stream half the bytes of fp32 ones (BENCHMARKS.md,
     "Drafting in bf16 on the CPU"); int8 copies halve them again ("Int8 drafter weights").
     CPUs without bf16 kernels were not measured with int8 weights, so by default they keep their dtype;
-    int8 weights never come with fp32 activations: with them aten's kernel took 3 to 25 times as
+    int8 weights never come with fp32 activations: with them aten's kernel took 2 to 30 times as
     long as oneDNN's fp32 products ("Int8 drafter weights on an Intel Xeon").
     The target keeps its dtype: its outputs are what decoding reproduces, while a drafter
     only proposes, so its precision can change which drafts are accepted but never the text.
