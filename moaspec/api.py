@@ -56,7 +56,7 @@ def decoding_given(chain: int | None, tree: TreeShape | None, lookup: int | None
 
 def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, chain: int | None = None,
                       tree: TreeShape | None = None, lookup: int | None = None, confidence: float | None = None,
-                      drafter_dtype: torch.dtype | None = None, tuned: bool = True,
+                      drafter_dtype: torch.dtype | str | None = None, tuned: bool = True,
                       notify: Callable[[str], None] = _warn) -> Strategy:
     """How ``target`` will decode: ``drafter``'s chains of ``chain`` drafts (or its ``tree``), with up to
     ``lookup`` prompt-lookup drafts in front.
@@ -65,6 +65,9 @@ def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, 
     ``moaspec tune`` measured fastest on this machine (when ``tuned`` and a result for this target,
     drafter, device and threads is saved: see :mod:`moaspec.tuned`), else with the built-in defaults
     (chains of 2 after lookup 10). Without a drafter, ``lookup`` defaults to 0.
+
+    ``drafter_dtype``: the drafter's precision, a torch dtype or a name ``--drafter-dtype`` takes
+    ("int8" too); ``None`` is "auto" (or ``$MOASPEC_DRAFTER_DTYPE``).
 
     A target for which no drafter ships decodes without one rather than failing: ``notify`` is told
     why (a warning by default), since output is the same and only speed differs.

@@ -100,6 +100,8 @@ def test_bad_settings_are_refused(lm, tiny_moa_dir, tiny_dirs) -> None:  # type:
                           ({"lookup": 1.5}, "lookup drafts"), ({"tree": (2, 2, 4)}, "a tree is a TreeShape")]:
         with pytest.raises(moaspec.MoaspecError, match=fragment):
             lm.with_decoding(tiny_moa_dir, **bad)
+    with pytest.raises(moaspec.MoaspecError, match="drafter_dtype='int9': expected one of auto, float32"):
+        lm.with_decoding(tiny_moa_dir, drafter_dtype="int9")
     with pytest.raises(moaspec.MoaspecError, match="threads"):
         moaspec.load(tiny_dirs["llama"], None, threads=0)
     with pytest.raises(moaspec.MoaspecError, match="dtype must be"):
@@ -107,6 +109,20 @@ def test_bad_settings_are_refused(lm, tiny_moa_dir, tiny_dirs) -> None:  # type:
     assert moaspec.load(tiny_dirs["llama"], None, dtype="bfloat16").target.model.dtype == torch.bfloat16
     with pytest.raises(moaspec.MoaspecError, match="does not exist"):
         moaspec.load(tiny_dirs["llama"] / "missing", None)
+
+
+@pytest.mark.parametrize("precision, dtype", [("float32", torch.float32), (torch.float32, torch.float32),
+                                              ("bfloat16", torch.bfloat16), ("int8", torch.bfloat16)])
+def test_the_drafter_precision_is_named_as_on_the_command_line(lm, tiny_moa_dir, precision, dtype) -> None:  # type: ignore[no-untyped-def]
+    """``drafter_dtype`` takes what ``--drafter-dtype`` takes, "int8" too (int8 weights, bf16 activations), or a
+    torch dtype; the text is the target's whichever it is."""
+    from moaspec.models.packed_linear import int8_kernels
+
+    spec = lm.with_decoding(tiny_moa_dir, chain=3, drafter_dtype=precision)
+    drafter = spec.strategy.drafter
+    assert drafter is not None and drafter.weight_dtype == dtype
+    assert drafter.precision == ("int8" if precision == "int8" and int8_kernels() else str(dtype).removeprefix("torch."))
+    assert spec.generate(PROMPT, max_new_tokens=16).token_ids == lm.with_decoding(None).generate(PROMPT, max_new_tokens=16).token_ids
 
 
 def test_a_target_without_a_shipped_drafter_decodes_without_one_and_says_so(lm) -> None:  # type: ignore[no-untyped-def]

@@ -22,7 +22,7 @@ from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.drafters.proposers import proposer_for
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
-from moaspec.models.packed_linear import bf16_kernels
+from moaspec.models.packed_linear import bf16_kernels, int8_kernels
 from moaspec.models.transformer import Transformer
 from moaspec.training.dataset import Batch, Example, collate
 from moaspec.training.distill import (
@@ -222,7 +222,7 @@ def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_lla
     path = save_drafter(make_drafter(tiny_llama, vocab=100, tli=1), tmp_path / "d", target_identity(tiny_llama), {})
     monkeypatch.setenv(DTYPE_VARIABLE, "int8")
     want = torch.bfloat16
-    assert drafting_precision(tiny_llama) == (want, True)
+    assert drafting_precision(tiny_llama) == (want, int8_kernels())
     with pytest.raises(ValueError, match="bf16 activations"):
         load_drafter(path, tiny_llama, torch.float32).use_int8()
     drafter = load_drafter(path, tiny_llama)

@@ -110,11 +110,19 @@ DRAFTER_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")  # int8: int8 weights in small 
 
 
 def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
+    """The precision ``$MOASPEC_DRAFTER_DTYPE`` (what ``--drafter-dtype`` sets; "auto" when unset) names
+    beside ``target``: see :func:`named_precision`."""
+    return named_precision(os.environ.get(DTYPE_VARIABLE, "auto"), target, DTYPE_VARIABLE)
+
+
+def named_precision(choice: object, target: LoadedModel, what: str = "drafter_dtype") -> tuple[torch.dtype, bool]:
     """The dtype a drafter's weights and activations take beside ``target`` at inference, and whether its
-    small products read int8 copies of the weights: ``$MOASPEC_DRAFTER_DTYPE`` when set to anything but
-    "auto"; otherwise bf16 activations and int8 weights on a CPU whose oneDNN has bf16 kernels (and whose
-    torch has aten's int8 product), the target's own dtype without int8 elsewhere. "int8" asks for bf16
-    activations and int8 weights on any CPU (off a CPU it is "auto").
+    small products read int8 copies of the weights, for ``choice``, one of :data:`DRAFTER_DTYPE_CHOICES`
+    (``what`` says where it came from, in the error for any other value).
+
+    A float dtype's name is that dtype. "auto": bf16 activations and int8 weights on a CPU whose oneDNN
+    has bf16 kernels (and whose torch has aten's int8 product), the target's own dtype without int8
+    elsewhere. "int8": bf16 activations and int8 weights on any CPU (off a CPU it is "auto").
 
     A drafting step is memory-bound matrix–vector work over the drafter's weights, and
     oneDNN's packed bf16 products stream half the bytes of fp32 ones (BENCHMARKS.md,
@@ -125,26 +133,31 @@ def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
     The target keeps its dtype: its outputs are what decoding reproduces, while a drafter
     only proposes, so its precision can change which drafts are accepted but never the text.
     """
-    choice = os.environ.get(DTYPE_VARIABLE, "auto")
     if choice not in DRAFTER_DTYPE_CHOICES:
-        raise MoaspecError(f"{DTYPE_VARIABLE}={choice!r}: expected one of {', '.join(DRAFTER_DTYPE_CHOICES)}")
+        raise MoaspecError(f"{what}={choice!r}: expected one of {', '.join(DRAFTER_DTYPE_CHOICES)}")
     if choice in FLOAT_DTYPES:
         return FLOAT_DTYPES[choice], False
     model = target.model
     cpu = model.device.type == "cpu"
     if choice == "int8" and cpu:  # aten's int8 product is quick with bf16 activations alone (int8_supported)
-        return torch.bfloat16, True
+        return torch.bfloat16, int8_kernels()
     bf16 = cpu and model.dtype == torch.float32 and bf16_kernels()
     return (torch.bfloat16 if bf16 else model.dtype), bf16 and int8_kernels()
 
 
-def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | None = None) -> Drafter:
+def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | str | None = None) -> Drafter:
     """Load a drafter for ``target`` (refusing one made for another target), attached and in eval mode.
 
-    ``dtype``: its weights' dtype; ``None`` drafts in :func:`drafting_precision`. Training and
-    exports pass the target's dtype, which keeps the checkpoint's precision (and no int8 copies).
+    ``dtype``: its weights' dtype, or a precision's name (:func:`named_precision`: "int8" too); ``None``
+    drafts in :func:`drafting_precision`. Training and exports pass the target's dtype, which keeps the
+    checkpoint's precision (and no int8 copies).
     """
-    dtype, int8 = drafting_precision(target) if dtype is None else (dtype, False)
+    if dtype is None:
+        dtype, int8 = drafting_precision(target)
+    elif isinstance(dtype, torch.dtype):
+        int8 = False
+    else:
+        dtype, int8 = named_precision(dtype, target)
     path = Path(path)
     meta = read_meta(path)
     check_target(meta, target, path)
