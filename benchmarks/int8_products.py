@@ -43,13 +43,14 @@ def main() -> None:
     int8 = {m: m.int8 for m in layers}
     for m in layers:  # so that m(x) is the packed bf16 product at every row count
         m.int8 = None
-    packed32 = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.float()) for m in layers}
     ways: dict[str, Callable[[Linear, torch.Tensor, torch.Tensor], object]] = {
         "packed bf16": lambda m, x, x32: m(x),
         "int8": lambda m, x, x32: torch.ops.aten._weight_int8pack_mm(x, *int8[m])}
     if args.fp32_activations:
+        packed32 = {m: torch.ops.mkldnn._reorder_linear_weight(m.weight.float()) for m in layers}
+        int8_32 = {m: (q, scales.float()) for m, (q, scales) in int8.items()}
         ways["packed fp32"] = lambda m, x, x32: torch.ops.mkldnn._linear_pointwise(x32, packed32[m], None, "none", [], "")
-        ways["int8, fp32 act."] = lambda m, x, x32: torch.ops.aten._weight_int8pack_mm(x32, int8[m][0], int8[m][1].float())
+        ways["int8, fp32 act."] = lambda m, x, x32: torch.ops.aten._weight_int8pack_mm(x32, *int8_32[m])
     junk = torch.zeros(64 * 2**20 // 4)
     mb = sum(m.weight.numel() for m in layers) / 2**20
     print(f"{len(layers)} products, {2 * mb:.1f} MB in bf16, {mb:.1f} MB in int8; ms")
@@ -68,6 +69,7 @@ def main() -> None:
                     times[way].append(time.perf_counter() - t0)
             ms = {w: statistics.median(t) * 1e3 for w, t in times.items()}
             print(f"{rows:>5}" + "".join(f"{v:>17.3f}" for v in ms.values()) + f"{ms['int8'] / ms['packed bf16']:>13.2f}")
+
 
 if __name__ == "__main__":
     main()
