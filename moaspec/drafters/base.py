@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moaspec.models.config import ModelConfig
-from moaspec.models.packed_linear import Linear, pack_linears, quantize_linears
+from moaspec.models.packed_linear import INT8_ACTIVATIONS, Linear, pack_linears, quantize_linears
 from moaspec.models.transformer import Transformer, rope_tables
 from moaspec.validation import real_number, whole_number
 
@@ -193,7 +193,7 @@ class Drafter(nn.Module):
         Activations keep the weights' dtype, bf16 (the only one the kernel is quick with), the parameters are
         untouched, and the text cannot change: only which drafts the target accepts.
         """
-        if enable and self.weight_dtype != torch.bfloat16:
+        if enable and self.weight_dtype != INT8_ACTIVATIONS:
             raise ValueError("int8 weights take bf16 activations: with fp32 ones aten's int8 product took 2 to 30 "
                              "times as long as fp32 products (load the drafter in bf16 first)")
         self.int8_products = enable

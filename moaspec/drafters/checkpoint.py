@@ -25,7 +25,7 @@ from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.loading import FLOAT_DTYPES, LoadedModel
-from moaspec.models.packed_linear import bf16_kernels, int8_kernels
+from moaspec.models.packed_linear import INT8_ACTIVATIONS, bf16_kernels, int8_kernels
 
 FORMAT = "moaspec-drafter"
 VERSION = 1
@@ -140,7 +140,7 @@ def named_precision(choice: object, target: LoadedModel, what: str = "drafter_dt
     model = target.model
     cpu = model.device.type == "cpu"
     if choice == "int8" and cpu:  # aten's int8 product is quick with bf16 activations alone (int8_supported)
-        return torch.bfloat16, int8_kernels()
+        return INT8_ACTIVATIONS, int8_kernels()
     bf16 = cpu and model.dtype == torch.float32 and bf16_kernels()
     return (torch.bfloat16 if bf16 else model.dtype), bf16 and int8_kernels()
 

@@ -93,6 +93,7 @@ def _padded_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
 INT8_MAX_ROWS = 8  # a drafting step's products in int8 took 0.37-0.42, 0.54, 0.83 and 0.98 times packed bf16's time
 # for 1-4, 8, 12 and 16 rows, 2.7 times for 256 (benchmarks/int8_products.py, AMD EPYC)
 INT8_COLUMNS = 32  # with bf16 activations aten's CPU int8 kernel was wrong for 1, 7, 8, 9 and 30 input columns, right for 16, 48, 96
+INT8_ACTIVATIONS = torch.bfloat16  # the one activation dtype aten's int8 product is quick with (int8_supported)
 
 
 def int8_kernels() -> bool:
@@ -112,7 +113,7 @@ def int8_supported(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and int8_kernels()
-        and weight.dtype == torch.bfloat16
+        and weight.dtype == INT8_ACTIVATIONS
         and weight.shape[1] % INT8_COLUMNS == 0
     )
 
