@@ -13,7 +13,10 @@ directory of articles (XSum's BBC news, WikiLingua's how-to guides) for `--passa
 
 With `--factual` it writes short factual questions instead, and no articles: Wikidata facts
 asked as questions ("What is the capital of Kenya?") and QASC's science questions, the
-shape of the short questions SpecBench's qa category asks.
+shape of the short questions SpecBench's qa category asks. With `--more` it writes a second set
+from tasks the default one leaves out (everyday situations from Social IQa, physics and moral
+questions, riddles, claims to check, sentences to write from words, facts or restaurant
+attributes, stories around a scientific paragraph) and Quoref's Wikipedia passages as articles.
 
 None of it comes from SpecBench's sources (MT-bench, Alpaca, GSM8K, HumanEval, Natural
 Questions, CNN/DailyMail); the script refuses to write a prompt or article that shares
@@ -61,6 +64,27 @@ WIKIDATA_RELATIONS = frozenset({
     "language", "manufacturer", "military branch", "native language", "official language", "operating system",
     "original broadcaster", "publisher", "record label", "religion", "team position"})
 FACTUAL_PER_TASK = 1500
+# --more: a second set, of tasks the first leaves out: everyday situations, physics and moral questions, riddles,
+# claims to check, sentences to write from words, facts or restaurant attributes, stories to write around a
+# scientific paragraph; and Quoref's Wikipedia passages for --passages
+MORE_PROMPT_TASKS: dict[str, tuple[int | None, str | None]] = {
+    "social_iqa": (600, None),
+    "physics_questions": (None, None),
+    "moral_permissibility": (None, None),
+    "causal_judgment": (None, None),
+    "riddle_sense": (None, None),
+    "sufficient_information": (None, None),
+    "date_understanding": (None, None),
+    "fact_checker/fever": (400, None),
+    "misconceptions": (None, "Is this statement true or false? Explain briefly.\n\n"),
+    "mathematical_induction": (None, "Is this argument valid? Explain.\n\n"),
+    "gem/common_gen": (400, "Write one sentence that uses all of these words: "),
+    "gem/e2e_nlg": (300, "Write a short description of a restaurant with these attributes: "),
+    "gem/webnlg_en": (400, "Write a short paragraph that states these facts in plain English: "),
+    "gem/asset": (None, "Rewrite this sentence in simpler words: "),
+    "natural_instructions/subtask059_ropes_story_generation": (400, "Write a short story that uses the idea in this "
+                                                                    "paragraph.\n\n"),
+}
 
 
 def wikidata_question(statement: str) -> str | None:
@@ -79,6 +103,7 @@ def qasc_question(text: str) -> str | None:
 FACTUAL_TASKS = {"qa_wikidata": wikidata_question,
                  "natural_instructions/subtask041_qasc_answer_generation": qasc_question}
 PASSAGE_TASKS = ("gem/xsum", "gem/wikilingua_en")
+MORE_PASSAGE_TASKS = ("natural_instructions/subtask002_quoref_answer_generation",)
 MIN_PASSAGE_CHARS = 400  # shorter articles are left out
 DEFAULT_SPECBENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "specbench"
 
@@ -102,6 +127,11 @@ def task_inputs(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], task:
     return [e.get("input", "").strip() for e in data.get("examples", [])]
 
 
+def passage(text: str) -> str:
+    """An example's passage: Quoref's "Passage: ...\nQuestion: ..." without the question; other inputs as they are."""
+    return re.sub(r"^Passage:\s*", "", text.split("\nQuestion:")[0]).strip()
+
+
 def specbench_openings(specbench: Path) -> set[str]:
     """The first 60 normalised characters of every SpecBench turn (empty where the files are absent)."""
     if not any(specbench.glob("*.jsonl")):
@@ -120,9 +150,9 @@ def refuse_specbench_overlap(specbench: Path, texts: Iterable[str]) -> int:
     return len(banned)
 
 
-def read_archive(archive: Path, factual: bool = False) -> tuple[list[str], dict[str, str]]:
+def read_archive(archive: Path, factual: bool = False, more: bool = False) -> tuple[list[str], dict[str, str]]:
     """The prompts (in task order) and the passages (file name -> text) that the archive yields; with `factual`,
-    FACTUAL_TASKS' questions and no passages."""
+    FACTUAL_TASKS' questions and no passages; with `more`, the second set (MORE_PROMPT_TASKS, MORE_PASSAGE_TASKS)."""
     with tarfile.open(archive) as tar:
         members = {m.name.split("/benchmark_tasks/")[1].removesuffix("/task.json"): m for m in tar.getmembers()
                    if "/benchmark_tasks/" in m.name and m.name.endswith("/task.json")}
@@ -133,12 +163,15 @@ def read_archive(archive: Path, factual: bool = False) -> tuple[list[str], dict[
                 random.Random(task).shuffle(questions)
                 prompts.extend(questions[:FACTUAL_PER_TASK])
             return prompts, {}
-        for task, (limit, instruction) in PROMPT_TASKS.items():
+        for task, (limit, instruction) in (MORE_PROMPT_TASKS if more else PROMPT_TASKS).items():
             inputs = [x for x in map(clean, task_inputs(tar, members, task)) if x]
+            if more:  # the second set's tasks repeat inputs; the first set's sample stays as it was drawn
+                inputs = list(dict.fromkeys(inputs))
             random.Random(task).shuffle(inputs)
             prompts.extend((instruction or "") + x for x in inputs[:limit])
-        passages = {f"{task.split('/')[-1]}-{i:04d}.txt": x for task in PASSAGE_TASKS
-                    for i, x in enumerate(task_inputs(tar, members, task)) if len(x) > MIN_PASSAGE_CHARS}
+        passages = {f"{task.split('/')[-1]}-{i:04d}.txt": x for task in (MORE_PASSAGE_TASKS if more else PASSAGE_TASKS)
+                    for i, x in enumerate(dict.fromkeys(map(passage, task_inputs(tar, members, task))))
+                    if len(x) > MIN_PASSAGE_CHARS}
     return prompts, passages
 
 
@@ -152,11 +185,15 @@ def main() -> None:
     ap.add_argument("--factual", action="store_true",
                     help="short factual questions (Wikidata facts asked as questions, QASC's science questions) "
                          "instead of the mixed prompts and articles")
+    ap.add_argument("--more", action="store_true",
+                    help="a second set of prompts and passages, from tasks the default set leaves out")
     args = ap.parse_args()
+    if args.factual and args.more:
+        sys.exit("bigbench_prompts: --factual and --more are two different sets; choose one")
     if not args.archive.is_file():
         sys.exit(f"bigbench_prompts: no file {args.archive}; pip download --no-deps bigbench==1.0.0 fetches it")
     try:
-        prompts, passages = read_archive(args.archive, args.factual)
+        prompts, passages = read_archive(args.archive, args.factual, args.more)
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:  # JSONDecodeError is a ValueError
         sys.exit(f"bigbench_prompts: {args.archive} is not a readable BIG-bench archive ({e})")
     prompts = list(dict.fromkeys(prompts))

@@ -336,7 +336,8 @@ def _run_script(name: str, specbench: Path, *args: object) -> subprocess.Complet
 
 def test_bigbench_prompts_script(tmp_path: Path) -> None:
     """The BIG-bench prompt builder: every task's inputs without Q:/A: scaffolding, instructions prefixed, short
-    articles left out, output written whole; with --factual, Wikidata facts and QASC items as questions; it refuses
+    articles left out, output written whole; with --factual, Wikidata facts and QASC items as questions; with --more,
+    the second set, each input once and Quoref's passages without their questions; it refuses
     an archive that shares a turn with SpecBench, and a bad file."""
     sys.path.insert(0, str(SCRIPTS))
     try:
@@ -370,6 +371,20 @@ def test_bigbench_prompts_script(tmp_path: Path) -> None:
     # only the relations that read well as a question, each once; the QASC fact that gives the answer away dropped
     assert sorted(prompts) == ["What can damage buildings?", "What is the capital of Kenya?"]
     assert not any((tmp_path / "factual" / "passages").iterdir())
+
+    more = {task: [f"Q: Question {i % 2} of {task}?\nA:" for i in range(3)] for task in bigbench_prompts.MORE_PROMPT_TASKS}
+    quoref = "natural_instructions/subtask002_quoref_answer_generation"
+    more[quoref] = [f"Passage: {'A long passage. ' * 40}\nQuestion: Who {i}?" for i in range(2)]
+    proc = run(_bigbench_archive(tmp_path / "more.tar.gz", more), tmp_path / "more", "--more")
+    assert proc.returncode == 0, proc.stderr
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "more" / "prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 2 * len(bigbench_prompts.MORE_PROMPT_TASKS)  # each task's repeated input once
+    assert "Write one sentence that uses all of these words: Question 1 of gem/common_gen?" in prompts
+    # one passage, however many questions are asked about it, without them
+    (only,) = (tmp_path / "more" / "passages").iterdir()
+    assert only.read_text() == ("A long passage. " * 40).strip() + "\n"
+    proc = run(archive, tmp_path / "both", "--factual", "--more")
+    assert proc.returncode != 0 and "choose one" in proc.stderr and not (tmp_path / "both").exists()
 
     (specbench / "qa.jsonl").write_text(json.dumps({"turns": ["Question 2 of general_knowledge? And more words here."]}) + "\n")
     inputs["general_knowledge"].append("Question 2 of general_knowledge? And more words here, longer.")
