@@ -424,6 +424,10 @@ def test_warm_start_from_an_exported_drafter(tiny_llama, tiny_data: Path, tmp_pa
     for (k, a), (_, b) in zip(sorted(t.raw.state_dict().items()), sorted(first.state_dict().items())):
         torch.testing.assert_close(a, b.to(a.dtype), msg=k)  # starts exactly where the first run ended
     t.train()
+    # its held-out figures start with the drafter it started from, before the first update
+    val = read_log(tmp_path / "b" / "val_log.csv")
+    assert [row["step"] for row in val] == ["0", "2"] and float(val[0]["val_loss"]) > 0
+    assert val[0]["val_loss"] == read_log(tmp_path / "a" / "val_log.csv")[-1]["val_loss"]  # same weights, same slice
     # the continued drafter's record keeps what made it, run by run
     lineage = [json.loads((tmp_path / run / "drafter" / "config.json").read_text())["training"]["lineage"] for run in "ab"]
     assert len(lineage[0]) == 1 and lineage[0][0].startswith("from random weights: 10 updates at lr ")

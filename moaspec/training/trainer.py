@@ -467,6 +467,10 @@ class Trainer:
         bar = progress_bar(total=cfg.steps, initial=self.step, unit="step", desc="moaspec train",
                            disable=not (self.progress and self.acc.is_main_process))
         last = cfg.steps if until is None else min(until, cfg.steps)
+        if self.step == 0 and cfg.init_from:
+            # the starting drafter on this run's held-out slice: the baseline a continuation is read against
+            # (decided from the step alone, so that every process joins evaluate's reduction)
+            self.log("val_log.csv", {"step": 0, "tokens": 0, **self.evaluate()})
         while self.step < last:
             t0 = time.perf_counter()
             # masks depend only on (seed, process, step), so a resumed run draws the same ones
