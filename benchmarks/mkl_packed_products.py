@@ -3,12 +3,13 @@
 A lead for the target's verification forwards, not yet used by the runtime: on an Intel Xeon
 (2026-12-02, BENCHMARKS.md "MKL's packed sgemm") ``torch.ops.mkl._mkl_linear`` on weights packed by
 ``torch.ops.mkl._mkl_reorder_linear_weight`` (what Inductor's CPU freezing uses for fp32 linears)
-took 15-30% less time than oneDNN's packed weights for 1 to 64 rows. The pack takes a row-count hint
-(``--hints``): a copy packed for 1 or 4 rows is slow from 10 rows on, one packed for 32-64 rows is
-quick for every count tried. Each copy takes the dense weight's memory. Random weights of the target's
-shapes, a 64 MB memory sweep before each round, medians of 9, the kernels alternated.
+took 7-17% less time than oneDNN's packed weights for 1 to 128 rows. The pack takes a row-count hint
+(``--hints``): a copy packed for 1 row is slow from 3 rows on, one packed for 8 rows from 11 rows on,
+one packed for 64 rows is quick for every count tried. Each copy takes the dense weight's memory.
+Random weights of the runtime's shapes (fused qkv and gate/up, as benchmarks/int4_products.py), a
+64 MB memory sweep before each round, medians of 9, the kernels alternated.
 
-    .venv/bin/python benchmarks/mkl_packed_products.py --hints 32,64,256 --rows 1,4,11,32,64,128,256,512
+    .venv/bin/python benchmarks/mkl_packed_products.py --hints 1,8,64 --rows 1,3,4,8,11,16,32,64,128
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-# SmolLM2-135M's block: q, k, v, o, gate, up, down ([out, in]); 30 blocks, then lm_head
-BLOCK_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-LM_HEAD = (49152, 576)
+from int4_products import LAYERS, SHAPES
+
+LM_HEAD = (49152, 576)  # SmolLM2-135M's vocabulary x width
 
 
 def median_ms(fn: Callable[[], object], sweep: torch.Tensor, repeats: int = 9) -> float:
@@ -41,7 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    weights = [torch.randn(o, i) for _ in range(30) for o, i in BLOCK_SHAPES] + [torch.randn(*LM_HEAD)]
+    weights = [torch.randn(o, i) for _ in range(LAYERS) for o, i in SHAPES] + [torch.randn(*LM_HEAD)]
     sweep = torch.empty(64 * 2**20 // 4)
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     hints = [int(h) for h in args.hints.split(",")]
