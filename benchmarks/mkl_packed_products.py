@@ -6,6 +6,7 @@ A lead for the target's verification forwards, not yet used by the runtime: on a
 took 7-17% less time than oneDNN's packed weights for 1 to 128 rows. The pack takes a row-count hint
 (``--hints``): a copy packed for 1 row is slow from 3 rows on, one packed for 8 rows from 11 rows on,
 one packed for 64 rows is quick for every count tried. Each copy takes the dense weight's memory.
+On an AMD EPYC (2026-12-04) the lead reversed: MKL's packed products took 1.3-3.7 times oneDNN's time.
 Random weights of the runtime's shapes (fused qkv and gate/up, as benchmarks/int4_products.py), a
 64 MB memory sweep before each round, medians of 9, the kernels alternated.
 
