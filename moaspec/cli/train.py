@@ -48,7 +48,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--val-fraction", type=float, default=0.02)
-    t.add_argument("--mixed-precision", choices=("auto", "no", "fp16", "bf16"), default="auto")
+    t.add_argument("--mixed-precision", choices=("auto", "no", "fp16", "bf16"), default="auto",
+                   help="autocast precision, fp32 master weights (auto: bf16 on GPUs and on CPUs with bf16 kernels, "
+                        "fp16 on GPUs without bf16, else fp32)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--sa-mlp", type=int, default=None, help="SA MLP width (default: the target's)")
     t.add_argument("--ca-mlp", type=int, default=None, help="CA MLP width (default: the target's)")

@@ -38,6 +38,7 @@ from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
+from moaspec.models.packed_linear import bf16_kernels
 from moaspec.progress import progress_bar
 from moaspec.training.dataset import (
     Batch,
@@ -135,12 +136,18 @@ def lr_lambda(cfg: TrainConfig):  # type: ignore[no-untyped-def]
     return f
 
 
-def resolve_precision(choice: str) -> str:
+def resolve_precision(choice: str, cpu: bool) -> str:
+    """The mixed precision ``--mixed-precision choice`` means on this machine (``cpu``: training on the CPU).
+
+    "auto" is bf16 autocast (fp32 master weights) wherever it is quick: a GPU with bf16, fp16 on an older
+    one, and a CPU whose oneDNN has bf16 kernels, where one update of the MoA drafter took two thirds of
+    fp32's time for the same loss (BENCHMARKS.md, "Training in bf16 on the CPU"). Other CPUs train in fp32.
+    """
     if choice != "auto":
         return choice
-    if torch.cuda.is_available():
+    if not cpu and torch.cuda.is_available():
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "no"  # this CPU has no fast half-precision units
+    return "bf16" if bf16_kernels() else "no"
 
 
 def _forget_previous_run_precision() -> None:
@@ -180,7 +187,7 @@ class Trainer:
         on_cpu = target.model.device.type == "cpu"
         _forget_previous_run_precision()
         self.acc = Accelerator(cpu=on_cpu, gradient_accumulation_steps=cfg.grad_accum,
-                               mixed_precision=resolve_precision(cfg.mixed_precision))
+                               mixed_precision=resolve_precision(cfg.mixed_precision, on_cpu))
         if target.model.device != self.acc.device and not on_cpu:  # one GPU per process
             target.model.to(self.acc.device)
         if not on_cpu:
@@ -370,7 +377,8 @@ class Trainer:
             "data": [str(d) for d in self.data_dirs], "first_epoch_train_examples": len(self.train_set),
             "val_examples": len(self.val_set), "epoch_shards": self.epoch_shards,
             "steps": self.step, "tokens": self.tokens, "wall_s": round(self.wall, 1), "finished": final,
-            "processes": self.acc.num_processes, "config": asdict(self.cfg), "last_val": getattr(self, "last_val", None),
+            "processes": self.acc.num_processes, "mixed_precision": self.acc.mixed_precision,
+            "config": asdict(self.cfg), "last_val": getattr(self, "last_val", None),
             "lineage": self.inherited_lineage + [self.lineage_entry()],
         }
 
