@@ -165,6 +165,43 @@ def test_a_run_records_the_precision_it_trained_in(tiny_llama, tiny_data: Path, 
     assert training["mixed_precision"] == resolve_precision("auto", cpu=True)
 
 
+def test_compiled_training_computes_what_eager_training_does(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """--compile runs the same updates through torch.compile: the same losses, to rounding, and the same evaluation
+    (run eagerly, in eval mode)."""
+    logs = {}
+    for mode in ("eager", "compiled"):
+        cfg = small(steps=3, eval_every=3, save_every=3)
+        Trainer(tiny_llama, tiny_data, tmp_path / mode, cfg, progress=False, compile=mode == "compiled").train()
+        logs[mode] = (read_log(tmp_path / mode / "train_log.csv"), read_log(tmp_path / mode / "val_log.csv"))
+    for a, b in zip(logs["eager"][0], logs["compiled"][0], strict=True):
+        assert a["tokens"] == b["tokens"]
+        assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-3)
+    assert float(logs["compiled"][1][-1]["val_loss"]) == pytest.approx(float(logs["eager"][1][-1]["val_loss"]), rel=1e-3)
+
+
+def test_a_compile_that_fails_falls_back_to_eager_training(tiny_llama, tiny_data: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Without a working compiler (Inductor's CPU code needs a C++ one) the run says so once and goes on eagerly."""
+    from moaspec.training import compiled
+
+    calls = []
+
+    def broken(fn, **kwargs):  # type: ignore[no-untyped-def]
+        def run(*args, **kw):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            raise RuntimeError("InductorError: no C++ compiler found")
+        return run
+
+    monkeypatch.setattr(compiled.torch, "compile", broken)
+    cfg = small(steps=3, eval_every=100, save_every=3)
+    Trainer(tiny_llama, tiny_data, tmp_path / "fallback", cfg, progress=False, compile=True).train()
+    Trainer(tiny_llama, tiny_data, tmp_path / "eager", cfg, progress=False).train()
+    err = capsys.readouterr().err
+    assert len(calls) == 1 and err.count("--compile failed (RuntimeError: InductorError: no C++ compiler found)") == 1
+    losses = {run: [row["loss"] for row in read_log(tmp_path / run / "train_log.csv")] for run in ("fallback", "eager")}
+    assert len(losses["eager"]) == 3 and losses["fallback"] == losses["eager"]  # the eager updates, exactly
+
+
 def test_a_second_run_in_one_process_may_change_precision(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Accelerate's process-wide state refused a second Trainer with another precision (a notebook, a sweep)."""
     for i, precision in enumerate(["no", "bf16", "no"]):

@@ -82,6 +82,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "a like-for-like comparison even after the data set grew")
     t.add_argument("--no-feature-cache", action="store_true",
                    help="recompute the target's features every epoch instead of caching them (fp16, ~24 KiB/token for SmolLM2) under DIR/features")
+    t.add_argument("--compile", action="store_true",
+                   help="run the drafter's training pass through torch.compile: about 30 s to compile, then an MoA "
+                        "update in two thirds of the time on a CPU (falls back to eager with a warning if compiling fails)")
     t.add_argument("--no-progress", action="store_true")
     options.add_model_options(t)
 
@@ -141,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
                  "derotate_keys": True if args.derotate_keys else None}
     elif args.kind == "independent":
         sizes = {"layers": args.layers}
-    trainer = Trainer(loaded, [Path(d) for d in args.data], Path(args.output), cfg, sizes, progress=not args.no_progress)
+    trainer = Trainer(loaded, [Path(d) for d in args.data], Path(args.output), cfg, sizes, progress=not args.no_progress,
+                      compile=args.compile)
     summary = trainer.train()
     if trainer.acc.is_main_process:
         print(json.dumps({k: summary[k] for k in ("steps", "tokens", "wall_s", "last_val")}))

@@ -40,6 +40,7 @@ from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.models.packed_linear import bf16_kernels
 from moaspec.progress import progress_bar
+from moaspec.training.compiled import compile_training_forward
 from moaspec.training.dataset import (
     Batch,
     DamagedFile,
@@ -177,8 +178,10 @@ def inherited_lineage(drafter_dir: Path) -> list[str]:
 
 class Trainer:
     def __init__(self, target: LoadedModel, data: Path | Sequence[Path], out: Path, cfg: TrainConfig,
-                 sizes: dict[str, Any] | None = None, progress: bool = True) -> None:
-        """``data``: one directory made by ``moaspec data``, or several to train on together."""
+                 sizes: dict[str, Any] | None = None, progress: bool = True, compile: bool = False) -> None:
+        """``data``: one directory made by ``moaspec data``, or several to train on together. ``compile``: the
+        drafter's training pass through ``torch.compile`` (:mod:`moaspec.training.compiled`); it changes how
+        updates run, not what they compute, so a run may be resumed with or without it."""
         from accelerate import Accelerator
 
         self.cfg, self.out, self.progress = cfg, out, progress
@@ -235,6 +238,8 @@ class Trainer:
         drafter = drafter.to(target.model.device)
         drafter.attach(target.model)
         drafter.train()
+        if compile:
+            compile_training_forward(drafter)
         self.raw = drafter
         optim = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg))
