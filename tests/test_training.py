@@ -165,12 +165,14 @@ def test_a_run_records_the_precision_it_trained_in(tiny_llama, tiny_data: Path, 
     assert training["mixed_precision"] == resolve_precision("auto", cpu=True)
 
 
-def test_compiled_training_computes_what_eager_training_does(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", ["moa", "eagle", "independent"])
+def test_compiled_training_computes_what_eager_training_does(tiny_llama, tiny_data: Path, tmp_path: Path,
+                                                             kind: str) -> None:  # type: ignore[no-untyped-def]
     """--compile runs the same updates through torch.compile: the same losses, to rounding, and the same evaluation
     (run eagerly, in eval mode)."""
     logs = {}
     for mode in ("eager", "compiled"):
-        cfg = small(steps=3, eval_every=3, save_every=3)
+        cfg = small(kind=kind, steps=3, eval_every=3, save_every=3)
         Trainer(tiny_llama, tiny_data, tmp_path / mode, cfg, progress=False, compile=mode == "compiled").train()
         logs[mode] = (read_log(tmp_path / mode / "train_log.csv"), read_log(tmp_path / mode / "val_log.csv"))
     for a, b in zip(logs["eager"][0], logs["compiled"][0], strict=True):

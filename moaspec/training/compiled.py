@@ -28,7 +28,9 @@ def compile_training_forward(drafter: Drafter) -> None:
     """Make ``drafter``'s training-mode ``forward`` calls run through ``torch.compile`` (shapes dynamic: every
     batch has its own length), falling back to eager ``forward`` for good if compiling fails."""
     eager = drafter.forward
-    compiled: Any = torch.compile(eager, dynamic=True)
+    # fallback_random: random numbers drawn inside the pass (EAGLE's feature noise) come from torch's own
+    # generator, as eagerly, instead of Inductor's: the same seed draws the same noise either way
+    compiled: Any = torch.compile(eager, dynamic=True, options={"fallback_random": True})
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
