@@ -8,8 +8,8 @@ updates on the same batches of real distillation data with the same masks, one p
 master weights in all), alternating update by update in a rotating order so that machine noise hits
 all alike. The target's features are computed once, before timing (as the trainer's feature cache
 serves them after its first epoch), so each timed update is the drafter's forward, backward and
-optimizer step alone; each variant's first update (oneDNN's kernels warming up, the compilation) is
-not timed.
+optimizer step alone; each variant's first update (oneDNN's kernels warming up) is not timed, and the
+compilation happens before it, in the gradient check below.
 
 Before any update, each variant's gradient on the first batch is compared with fp32's (all copies hold
 the same weights then): ``|g - g_fp32| / |g_fp32|`` over all parameters, what its rounding costs. Then
