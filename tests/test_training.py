@@ -165,6 +165,27 @@ def test_a_run_records_the_precision_it_trained_in(tiny_llama, tiny_data: Path, 
     assert training["mixed_precision"] == resolve_precision("auto", cpu=True)
 
 
+def test_a_run_resumed_where_auto_means_another_precision_says_so(tiny_llama, tiny_data: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A run moved to a machine where "auto" resolves otherwise goes on in that machine's precision and warns that
+    its resume is not bit-exact; resumed where it began, it says nothing."""
+    from moaspec.training import trainer
+
+    run, cfg = tmp_path / "run", small(steps=3, eval_every=100, save_every=1, mixed_precision="auto")
+    monkeypatch.setattr(trainer, "bf16_kernels", lambda: True)
+    Trainer(tiny_llama, tiny_data, run, cfg, progress=False).train(until=1)
+    assert json.loads((run / "progress.json").read_text())["mixed_precision"] == "bf16"
+    Trainer(tiny_llama, tiny_data, run, cfg, progress=False).train(until=2)
+    assert "mixed precision" not in capsys.readouterr().err
+    monkeypatch.setattr(trainer, "bf16_kernels", lambda: False)
+    resumed = Trainer(tiny_llama, tiny_data, run, cfg, progress=False)
+    assert resumed.acc.mixed_precision == "no"
+    err = capsys.readouterr().err
+    assert "ran its first 2 updates with mixed precision 'bf16'" in err and "means 'no' on this machine" in err
+    resumed.train()
+    assert json.loads((run / "progress.json").read_text())["mixed_precision"] == "no"
+
+
 @pytest.mark.parametrize("kind", ["moa", "eagle", "independent"])
 def test_compiled_training_computes_what_eager_training_does(tiny_llama, tiny_data: Path, tmp_path: Path,
                                                              kind: str) -> None:  # type: ignore[no-untyped-def]

@@ -336,6 +336,11 @@ class Trainer:
                                       f"({type(exc).__name__}: {brief(exc, 160)})") from None
         self.step, self.tokens, self.wall = saved["step"], saved["tokens"], saved["wall_s"]
         self.epoch_shards = shard_counts(saved.get("epoch_shards", {}))
+        before = saved.get("mixed_precision")  # what "auto" meant where the run began (runs since 2026-12-04 say)
+        if before not in (None, self.acc.mixed_precision) and self.acc.is_main_process:
+            print(f"moaspec train: {self.out} ran its first {self.step} updates with mixed precision {before!r}; "
+                  f"--mixed-precision {self.cfg.mixed_precision} means {self.acc.mixed_precision!r} on this machine, "
+                  "so the updates from here on are rounded differently (the resume is not bit-exact)", file=sys.stderr)
 
     def _cannot_resume(self, problem: str) -> MoaspecError:
         """The error for a run directory whose progress or saved state is damaged: only starting afresh helps."""
@@ -372,7 +377,7 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
             atomic_write_text(self.out / RUN_MARKER, json.dumps(
                 {"step": self.step, "tokens": self.tokens, "wall_s": self.wall, "config": asdict(self.cfg),
-                 "epoch_shards": self.epoch_shards}, indent=1))
+                 "mixed_precision": self.acc.mixed_precision, "epoch_shards": self.epoch_shards}, indent=1))
             save_drafter(self.acc.unwrap_model(self.model), self.out / "drafter", target_identity(self.target),
                          self.summary(final))
         self.acc.wait_for_everyone()
