@@ -147,6 +147,25 @@ def test_next_turns_decode_as_without_reuse(tiny_llama, monkeypatch) -> None:  #
             conversation, step = conversation + got.token_ids + ids(10, 9 + turn), max(got.accepted_lengths)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_an_answer_done_at_its_first_token_is_kept_without_the_drafters_state(tiny_llama, tree: bool) -> None:  # type: ignore[no-untyped-def]
+    """With a prompt cache, an answer that ends at its first token (one token asked for; /v1/completions scores a
+    prompt with max_tokens 0 and echo so) never started the drafter: the target's K/V are kept alone
+    (this raised an AssertionError, a server's 500), and the next turn reads them and drafts from scratch."""
+    torch.manual_seed(3)
+    drafter = MoADrafter(MoAConfig.for_target(tiny_llama.cfg)).eval()
+    drafter.attach(tiny_llama.model)
+    strategy = Strategy(drafter, tree=TreeShape()) if tree else Strategy(drafter, chain=3)
+    reuse, prompt = PromptCache(1 << 30, min_tokens=16), ids(30, 8)
+    first = strategy.run(tiny_llama, prompt, GenerationConfig(max_new_tokens=1), prefill=Prefill(reuse=reuse))
+    assert first.token_ids == generate(tiny_llama.model, tiny_llama.tokenizer, prompt,
+                                       GenerationConfig(max_new_tokens=1)).token_ids
+    longer, cfg = prompt + ids(10, 9), GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    got = strategy.run(tiny_llama, longer, cfg, prefill=Prefill(reuse=reuse))
+    assert got.reused_prompt_tokens >= len(prompt) - 1
+    assert got.token_ids == generate(tiny_llama.model, tiny_llama.tokenizer, longer, cfg).token_ids
+
+
 @pytest.mark.parametrize("max_bytes, min_tokens", [(-1, 256), (1.5, 256), ("512", 256), (1 << 20, 0)])
 def test_a_prompt_cache_of_a_bad_size_is_refused_in_one_sentence(max_bytes, min_tokens) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(MoaspecError, match="a prompt cache needs whole numbers"):

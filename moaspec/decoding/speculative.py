@@ -126,6 +126,8 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
                 resumable.begin(o.cache, o.hidden, prefill.known(resumable, prompt_ids[:o.reused]))
             else:
                 proposer.begin(o.cache, o.hidden)
+    else:
+        run.resumable = None  # done at the first token (e.g. a prompt scored alone): the proposer never began
     return run
 
 
