@@ -180,6 +180,42 @@ def test_damaged_model_directory(tiny_dirs, tmp_path: Path, damage: str) -> None
     assert_one_line_error(run_cli("generate", "hi", "--model", str(bad)), fragment)
 
 
+@pytest.mark.parametrize("change,fragment", [
+    ({"num_hidden_layers": "thirty"}, "'num_hidden_layers' must be a whole number >= 1, got 'thirty'"),
+    ({"num_hidden_layers": 2.5}, "'num_hidden_layers' must be a whole number"),
+    ({"num_hidden_layers": -3}, "'num_hidden_layers' must be a whole number >= 1, got -3"),
+    ({"vocab_size": "big"}, "'vocab_size' must be a whole number"),
+    ({"max_position_embeddings": 0}, "'max_position_embeddings' must be a whole number >= 1, got 0"),
+    ({"rms_norm_eps": "tiny"}, "'rms_norm_eps' must be a number above 0"),
+    ({"rope_parameters": "x"}, "'rope_parameters' (or 'rope_scaling') must be an object"),
+    ({"eos_token_id": "x"}, "'eos_token_id' must be a whole number >= 0"),
+    ({"num_key_value_heads": 3}, "must be a multiple of 'num_key_value_heads' (3)"),
+    (None, "must hold a JSON object, not list"),
+])
+def test_a_config_with_a_field_of_the_wrong_kind_is_named(tiny_dirs, tmp_path: Path, change, fragment) -> None:  # type: ignore[no-untyped-def]
+    """A hand-edited or foreign config.json names the field it cannot use instead of failing deep in the runtime."""
+    from moaspec.errors import ModelLoadError
+    from moaspec.models.config import ModelConfig
+
+    bad = tmp_path / "m"
+    bad.mkdir()
+    raw = json.loads((tiny_dirs["llama"] / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps([raw] if change is None else {**raw, **change}))
+    with pytest.raises(ModelLoadError) as err:
+        ModelConfig.from_model_dir(bad)
+    assert fragment in str(err.value) and str(bad / "config.json") in str(err.value)
+
+
+def test_a_config_with_fewer_layers_than_the_weights_is_refused(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Loading the first layers of a model and dropping the rest wrote garbage without a word."""
+    bad = tmp_path / "m"
+    shutil.copytree(tiny_dirs["llama"], bad)
+    raw = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": raw["num_hidden_layers"] - 1}))
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(bad), "--no-draft"),
+                          f"the weights hold {raw['num_hidden_layers']} layers and the config {raw['num_hidden_layers'] - 1}")
+
+
 @pytest.mark.parametrize("opts,fragment", [(["--temperature", "-1"], "temperature"), (["--top-p", "2"], "top_p"),
                                            (["--max-new-tokens", "0"], "max_new_tokens"), (["--lookup", "-2"], "--lookup"),
                                            (["--logprobs", "2"], "--json"), (["--json", "--logprobs", "21"], "logprobs"),

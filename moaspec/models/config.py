@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moaspec.errors import ModelLoadError
+from moaspec.validation import real_number, whole_number
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE scalings that give every position a fixed rotation; "dynamic" NTK and "longrope" change
@@ -97,27 +98,35 @@ class ModelConfig:
         if len(set(raw.get("layer_types") or ["full_attention"])) > 1:
             raise ModelLoadError("models mixing sliding-window and full-attention layers are not supported")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        heads = raw["num_attention_heads"]
-        hidden = raw["hidden_size"]
+        if not isinstance(rope, dict):
+            raise ModelLoadError(f"'rope_parameters' (or 'rope_scaling') must be an object, got {rope!r}")
+        theta = positive("rope_theta", rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        heads, hidden = whole("num_attention_heads", raw["num_attention_heads"]), whole("hidden_size", raw["hidden_size"])
+        kv_heads = whole("num_key_value_heads", raw.get("num_key_value_heads", heads))
+        if heads % kv_heads:
+            raise ModelLoadError(f"'num_attention_heads' ({heads}) must be a multiple of 'num_key_value_heads' ({kv_heads})")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        bos = raw.get("bos_token_id")
+        for name, ids in (("eos_token_id", eos_ids), ("bos_token_id", () if bos is None else (bos,))):
+            for i in ids:
+                whole(name, i, minimum=0)
         window = raw.get("sliding_window") if raw.get("use_sliding_window", family == "mistral") else None
         return cls(
             family=family,
-            vocab_size=raw["vocab_size"],
+            vocab_size=whole("vocab_size", raw["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            intermediate_size=whole("intermediate_size", raw["intermediate_size"]),
+            num_layers=whole("num_hidden_layers", raw["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or hidden // heads,
-            rope_theta=float(theta),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            num_kv_heads=kv_heads,
+            head_dim=whole("head_dim", raw.get("head_dim") or hidden // heads),
+            rope_theta=theta,
+            rms_norm_eps=positive("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=whole("max_position_embeddings", raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            sliding_window=window,
-            bos_token_id=raw.get("bos_token_id"),
+            sliding_window=None if window is None else whole("sliding_window", window),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
             rope_scaling=rope_scaling(rope, raw),
             qk_norm=family == "qwen3",
@@ -132,12 +141,30 @@ class ModelConfig:
             raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{cfg_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{cfg_file} must hold a JSON object, not {type(raw).__name__}")
         try:
             cfg = cls.from_hf_dict(raw)
         except KeyError as exc:
             raise ModelLoadError(f"{cfg_file} lacks the field {exc.args[0]!r}") from None
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{cfg_file}: {exc}") from None
         extra = [i for i in generation_eos_ids(path / "generation_config.json") if i not in cfg.eos_token_ids]
         return replace(cfg, generation_eos_ids=tuple(extra)) if extra else cfg
+
+
+def whole(name: str, value: Any, minimum: int = 1) -> int:
+    """``value``, the config field ``name``, checked to be a whole number of at least ``minimum``."""
+    if not whole_number(value) or value < minimum:
+        raise ModelLoadError(f"{name!r} must be a whole number >= {minimum}, got {value!r}")
+    return value
+
+
+def positive(name: str, value: Any) -> float:
+    """``value``, the config field ``name``, checked to be a finite number above 0."""
+    if not real_number(value) or value <= 0:
+        raise ModelLoadError(f"{name!r} must be a number above 0, got {value!r}")
+    return float(value)
 
 
 def generation_eos_ids(path: Path) -> list[int]:

@@ -155,6 +155,10 @@ def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
         out[f"blocks.{i}.mlp.down.weight"] = take(p + "mlp.down_proj.weight")
         out[f"blocks.{i}.attn_norm"] = take(p + "input_layernorm.weight")
         out[f"blocks.{i}.mlp_norm"] = take(p + "post_attention_layernorm.weight")
+    extra = sorted({int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()})
+    if extra:
+        raise ModelLoadError(f"the weights hold {extra[-1] + 1} layers and the config {cfg.num_layers} "
+                             "('num_hidden_layers'): config.json belongs to another model")
     state.clear()
     return out
 
