@@ -24,9 +24,11 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; the result should look like any other new file
     try:
         write(Path(tmp))
+        # mkstemp makes it private, and so does a writer that creates the file anew (safetensors' save_file):
+        # the result should look like any other new file (a drafter or data set others may read)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

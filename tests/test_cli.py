@@ -480,6 +480,30 @@ def test_a_full_or_read_only_disk_is_one_line_not_a_traceback(monkeypatch, capsy
         cli.main(["generate", "hi"])
 
 
+def test_a_safetensors_write_the_disk_refuses_is_one_line(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """safetensors reports a refused write as its own error, with the OS error in its text: a full disk or a file
+    too large for the file system is named as any other refused write; its other errors stay tracebacks."""
+    from safetensors import SafetensorError
+
+    from moaspec import cli
+
+    for text, raised in (("Error while serializing: I/O error: File too large (os error 27)", False),
+                         ("Error while serializing: I/O error: No space left on device (os error 28)", False),
+                         ("Error while deserializing header: HeaderTooLarge", True)):
+        def refuse(args, text=text):  # type: ignore[no-untyped-def]
+            raise SafetensorError(text)
+
+        monkeypatch.setitem(cli.COMMANDS, "generate", refuse)
+        if raised:
+            with pytest.raises(SafetensorError):
+                cli.main(["generate", "hi"])
+            continue
+        assert cli.main(["generate", "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moaspec: error: writing a safetensors file failed") and "\n" not in err
+        assert ("ulimit -f" in err) if "27" in text else ("free some space" in err)
+
+
 def test_a_long_prompt_is_read_under_a_progress_bar_on_a_terminal_only(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """The bar follows the prefill chunk by chunk and is gone when the answer starts; off a terminal (pipes,
     logs, --json) and for short prompts there is none."""

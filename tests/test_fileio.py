@@ -25,6 +25,12 @@ def test_written_files_and_directories_get_the_usual_permissions(tmp_path: Path)
     assert (tmp_path / "a.txt").read_text() == "hello"
     assert mode(tmp_path / "a.txt") == mode(plain)
     assert mode(tmp_path / "d") == mode(tmp_path / "plain-dir")
+    # safetensors' save_file creates its file private itself (exported drafters were 0600 beside 0644 configs)
+    import torch
+    from safetensors.torch import save_file
+
+    atomic_write(tmp_path / "w.safetensors", lambda p: save_file({"w": torch.zeros(2)}, str(p)))
+    assert mode(tmp_path / "w.safetensors") == mode(plain)
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:

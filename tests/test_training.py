@@ -235,6 +235,26 @@ def test_a_second_run_in_one_process_may_change_precision(tiny_llama, tiny_data:
         assert (tmp_path / f"run{i}" / "drafter" / "model.safetensors").exists()
 
 
+def test_a_save_that_fails_leaves_the_last_saved_state_and_no_temporary(tiny_llama, tiny_data: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A disk that refuses the state's files mid-save (full, or a file-size limit) ends the run with the state of the
+    save before intact, and no half-written state.tmp beside it."""
+    run, cfg = tmp_path / "run", small(steps=2, eval_every=100, save_every=1)
+    trainer = Trainer(tiny_llama, tiny_data, run, cfg, progress=False)
+    trainer.train(until=1)
+    saved = sorted(p.name for p in (run / "state").iterdir())
+
+    def refuse(path: str) -> None:
+        (Path(path) / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer.acc, "save_state", refuse)
+    with pytest.raises(OSError):
+        trainer.train()
+    assert not (run / "state.tmp").exists() and sorted(p.name for p in (run / "state").iterdir()) == saved
+    assert json.loads((run / "progress.json").read_text())["step"] == 1
+
+
 def test_resume_is_exact(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """6 steps straight equal 3 steps, a fresh process-like restart, then 3 more."""
     cfg = small(steps=6, save_every=3, eval_every=100)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -25,11 +27,24 @@ DISK_ERRORS = {
     errno.EDQUOT: "the disk quota is used up; free some space and run the command again",
     errno.EACCES: "check its permissions, or choose another place",
     errno.EROFS: "the file system is read-only; choose another place",
+    errno.EFBIG: "the file is larger than this file system or the shell's limit (ulimit -f) allows; choose another place",
 }
 # each command's module, in the order `moaspec --help` lists them: add_parser(sub) defines its options, run(args) runs it
 _MODULES = {"generate": generate, "tune": tune, "bench": bench, "data": data, "train": train, "serve": serve,
             "client": client, "export-client": export_client, "bench-cs": bench_cs, "export-hf": export_hf}
 COMMANDS = {name: module.run for name, module in _MODULES.items()}
+
+
+def disk_error_in(exc: Exception) -> int | None:
+    """The errno of a refused write that safetensors reported (``SafetensorError: ... I/O error: File too large
+    (os error 27)``), if it is one of :data:`DISK_ERRORS`."""
+    from safetensors import SafetensorError
+
+    if not isinstance(exc, SafetensorError):
+        return None
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    code = int(found.group(1)) if found else None
+    return code if code in DISK_ERRORS else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"moaspec: error: {exc.strerror}{where}: {DISK_ERRORS[exc.errno]}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # safetensors reports a failed write as its own error, naming the OS error in its text
+        code = disk_error_in(exc)
+        if code is None:
+            raise
+        print(f"moaspec: error: writing a safetensors file failed ({os.strerror(code)}): {DISK_ERRORS[code]}",
+              file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("\nmoaspec: interrupted", file=sys.stderr)

@@ -366,7 +366,11 @@ class Trainer:
             tmp.mkdir(parents=True)  # before any process writes its RNG state into it
             atomic_write_text(self.out / "train_config.json", json.dumps(asdict(self.cfg), indent=1))
         self.acc.wait_for_everyone()
-        self.acc.save_state(str(tmp))
+        try:
+            self.acc.save_state(str(tmp))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk, an interrupt: the saved state before stays whole
+            raise
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             old = self.out / "state.old"
