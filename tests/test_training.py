@@ -456,6 +456,13 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path: Pa
         torch.testing.assert_close(x[1, :3], z[1, :3])
     (tmp_path / "f" / "a.safetensors").write_bytes(b"garbage")  # a damaged file is recomputed, not trusted
     assert torch.equal(store.features(tokens, lengths, files).final, first.final)
+    from safetensors.torch import load_file, save_file
+
+    good = load_file(str(files[0]))
+    for damaged in ({k: v for k, v in good.items() if k != "kv"}, {**good, "kv": good["kv"][..., :3]},
+                    {**good, "final": good["final"][:, :7]}):  # readable, but a tensor missing or of another shape
+        save_file(damaged, str(files[0]))
+        assert torch.equal(store.features(tokens, lengths, files).token_kv, first.token_kv)
     assert torch.equal(store.features(tokens, lengths, (None, None)).final, first.final)  # no cache: computed alike
 
 

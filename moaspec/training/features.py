@@ -119,8 +119,12 @@ class FeatureStore:
             t = load_file(str(path))
         except (SafetensorError, OSError):
             return None  # unreadable: recompute and overwrite
-        if t["kv"].shape[0] != length or (self.tli_layers and "layer" not in t):
-            return None
+        cfg = self.target.cfg
+        want = {"kv": (length, cfg.num_layers, 2 * cfg.kv_dim), "final": (length, cfg.hidden_size)}
+        if self.tli_layers:
+            want["layer"] = (length, cfg.hidden_size)
+        if any(name not in t or tuple(t[name].shape) != shape for name, shape in want.items()):
+            return None  # stale or damaged (another length, a tensor missing or of another shape): recompute
         return t
 
     def features(self, tokens: torch.Tensor, lengths: torch.Tensor, files: Sequence[Path | None]) -> TargetOut:
