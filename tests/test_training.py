@@ -459,8 +459,8 @@ def test_feature_cache_returns_what_the_target_computes(tiny_llama, tmp_path: Pa
     from safetensors.torch import load_file, save_file
 
     good = load_file(str(files[0]))
-    for damaged in ({k: v for k, v in good.items() if k != "kv"}, {**good, "kv": good["kv"][..., :3]},
-                    {**good, "final": good["final"][:, :7]}):  # readable, but a tensor missing or of another shape
+    for damaged in ({k: v for k, v in good.items() if k != "kv"}, {**good, "kv": good["kv"][..., :3].contiguous()},
+                    {**good, "final": good["final"][:, :7].contiguous()}):  # readable, but a tensor missing or of another shape
         save_file(damaged, str(files[0]))
         assert torch.equal(store.features(tokens, lengths, files).token_kv, first.token_kv)
     assert torch.equal(store.features(tokens, lengths, (None, None)).final, first.final)  # no cache: computed alike
