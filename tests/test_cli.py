@@ -399,6 +399,8 @@ def test_outputs_that_cannot_be_made_or_hold_other_files_are_refused_before_any_
     (["client", "--server", "http://127.0.0.1:9", "--retries", "-1", "hi"], "--retries must be >= 0, got -1"),
     (["bench", "--questions", "q", "--output", "o", "--limit", "0"], "--limit must be >= 1, got 0"),
     (["serve", "--session-ttl", "nan"], "--session-ttl must be a finite number > 0"),
+    (["serve", "--api-key", ""], "--api-key is empty (an unset shell variable?)"),
+    (["serve", "--api-key", "  "], "--api-key is empty"),
     (["generate", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0"),
 ])
 def test_a_bad_option_is_named_with_its_value(tiny_dirs, tmp_path: Path, capsys, monkeypatch, argv, fragment) -> None:  # type: ignore[no-untyped-def]
@@ -407,6 +409,19 @@ def test_a_bad_option_is_named_with_its_value(tiny_dirs, tmp_path: Path, capsys,
     monkeypatch.chdir(tmp_path)
     assert main([*argv, "--model", str(tiny_dirs["llama"])]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_serving_every_interface_without_a_key_is_warned_about(tiny_dirs, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A server open to the network with no key serves anyone: it says so; on loopback, or with a key, it does not."""
+    import moaspec.serving
+    from moaspec.cli import main
+
+    monkeypatch.setattr(moaspec.serving, "run_server", lambda app, sock, **kw: sock.close())
+    monkeypatch.delenv("MOASPEC_API_KEY", raising=False)
+    serve = ["serve", "--model", str(tiny_dirs["llama"]), "--no-draft", "--port", "0", "--threads", "1"]
+    for extra, warned in ((["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key", "k"], False), ([], False)):
+        assert main([*serve, *extra]) == 0
+        assert ("serving on 0.0.0.0 without a key" in capsys.readouterr().err) == warned
 
 
 def test_text_that_is_not_utf8_is_refused(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

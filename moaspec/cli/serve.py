@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 
@@ -55,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     options.require(args, ">= 0", options.at_least(0), "max_queue", "prompt_cache_mb")
     options.require(args, "in 0..65535", lambda v: 0 <= v < 65536, "port")
     options.require(args, "a finite number > 0", options.finite_positive, "session_ttl")
+    if args.api_key is not None and not args.api_key.strip():  # `--api-key "$KEY"` with KEY unset
+        raise MoaspecError("--api-key is empty (an unset shell variable?); give the key, or leave the option out "
+                           "to serve without authentication")
     sock = listen(args.host, args.port)  # fail on a taken port before loading anything
     # the cores this process may run on (taskset), not the machine's; macOS has no affinity to ask
     total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -95,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
                      max_body_bytes=args.max_body_bytes, sessions=sessions)
     host, port = sock.getsockname()[:2]
+    if api_key is None and not ipaddress.ip_address(host.split("%")[0]).is_loopback:
+        print(f"moaspec: warning: serving on {args.host} without a key: anyone who reaches this port may use the "
+              "model (--api-key or $MOASPEC_API_KEY requires one)", file=sys.stderr, flush=True)
     tuned = f", tuned in {engine.strategy.tuned_from}" if engine.strategy.tuned_from else ""
     asked = decoding_given(args.chain, options.tree_shape(args), args.lookup, args.draft_confidence)
     if not (tuned or asked or args.no_tuned or engine.strategy.drafter is None) and loaded.model.device.type == "cpu":
