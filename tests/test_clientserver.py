@@ -1075,6 +1075,8 @@ def test_serve_refuses_a_remote_drafter_that_is_not_moa(tiny_llama, tiny_dirs, t
     ("http://127.0.0.1:99999", "out of range"),
     ("http://127.0.0.1:0", "1..65535"), ("ftp://127.0.0.1:8000", "http or https"), ("localhost:8000", "http or https"),
     ("http://:8000", "no host"),
+    ("http://127.0.0.1:8000/v1", "without /v1: http://127.0.0.1:8000"),  # the OpenAI API's base URL
+    ("https://example.org/moaspec/cs/v1/", "without /cs/v1: https://example.org/moaspec"),
 ])
 def test_a_bad_server_url_is_refused_up_front(url: str, why: str) -> None:
     from moaspec.clientserver.client import parse_server_url
@@ -1092,6 +1094,7 @@ def test_good_server_urls_give_host_and_port() -> None:
     assert parse_server_url("http://127.0.0.1:8000/") == ("127.0.0.1", 8000)
     assert parse_server_url("https://example.org") == ("example.org", 443)
     assert parse_server_url("http://[::1]:9") == ("::1", 9)
+    assert parse_server_url("https://example.org/moaspec/") == ("example.org", 443)  # behind a proxy, under a path
 
 
 @pytest.mark.parametrize("info, answer", [(None, "404"), ("<html>\n<p>hello</p>\n</html>\n", "200 without JSON"),

@@ -114,6 +114,9 @@ def parse_server_url(url: str) -> tuple[str, int]:
             why = "it names no host"
         elif port == 0:
             why = "the port must be in 1..65535"
+        elif (path := parts.path.rstrip("/")).endswith("/v1"):  # the OpenAI API's base URL, copied
+            suffix = "/cs/v1" if path.endswith("/cs/v1") else "/v1"
+            why = f"give the server's own address, without {suffix}: {parts.scheme}://{parts.netloc}{path.removesuffix(suffix)}"
         else:
             return parts.hostname, port or DEFAULT_PORTS[parts.scheme]
     raise MoaspecError(f"--server URL is not a valid http(s) URL: {url!r} ({why})")
