@@ -38,7 +38,7 @@ def load_questions(path: str | Path, per_file: int | None = None, skip: int = 0)
             text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError) as exc:
             raise MoaspecError(f"cannot read {f} as UTF-8 text: {exc}") from None
-        rows = []
+        rows, seen = [], {}  # question id -> its line: answers and results are kept per id
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -53,7 +53,11 @@ def load_questions(path: str | Path, per_file: int | None = None, skip: int = 0)
                 raise MoaspecError(f"{f}:{n}: 'turns' must be a list of strings, got {got}")
             if not turns or not all(t.strip() for t in turns):
                 raise MoaspecError(f"{f}:{n} has no turns, or an empty one")
-            rows.append(Question(str(obj.get("question_id", n)), f.stem, tuple(turns)))
+            qid = str(obj.get("question_id", n))
+            if qid in seen:
+                raise MoaspecError(f"{f}:{n} repeats question_id {qid} of line {seen[qid]}; give each question its own")
+            seen[qid] = n
+            rows.append(Question(qid, f.stem, tuple(turns)))
         rows = rows[skip:]
         out.extend(rows[:per_file] if per_file else rows)
     if not out:

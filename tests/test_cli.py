@@ -303,6 +303,8 @@ def test_an_unusable_device_is_refused(tiny_dirs, capsys, device, fragment) -> N
     ('{"turns": ["  "]}\n', "an empty one"),
     ("", "no questions"),
     (b"\xff\xfe\x00garbage", "UTF-8"),
+    ('{"question_id": 1, "turns": ["a"]}\n{"question_id": 2, "turns": ["b"]}\n{"question_id": 1, "turns": ["c"]}\n',
+     "q.jsonl:3 repeats question_id 1 of line 1"),  # results are kept per id: the second would count as the first
 ])
 def test_bad_question_files(tmp_path: Path, content, fragment) -> None:  # type: ignore[no-untyped-def]
     from moaspec.errors import MoaspecError
