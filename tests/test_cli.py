@@ -245,11 +245,13 @@ def test_data_bad_options(tiny_dirs, tmp_path: Path, opts, fragment) -> None:  #
 
 def test_data_from_your_own_prompts_ends_when_they_are_used_up(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"turns": [f"Tell me about {k}.", "Why?"]}) + "\n" for k in range(5)))
+    prompts.write_text("".join(json.dumps({"turns": [f"Tell me about {k}.", "Why?"]}) + "\n" for k in range(5))
+                       + json.dumps({"turns": ["word " * 400]}) + "\n")  # beyond the tiny model's 256 positions
     proc = run_cli("data", "--output", str(tmp_path / "d"), "--model", str(tiny_dirs["llama"]), "--no-progress",
                    "--prompts", str(prompts), "--pasted-fraction", "0", "--max-answer-tokens", "8", "--shard-size", "4")
     assert proc.returncode == 0, proc.stderr
-    assert "10 assistant turns" in proc.stdout and "all 5 conversations of" in proc.stdout
+    assert "10 assistant turns" in proc.stdout and "all 5 conversations of" in proc.stdout and "that fit" in proc.stdout
+    assert "1 of the 6 conversations of" in proc.stderr and "were skipped" in proc.stderr  # not a silent drop
 
 
 def test_data_from_a_model_that_writes_no_prompts_ends_with_an_error(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 from moaspec.cli import options
 
@@ -66,6 +69,21 @@ def run(args: argparse.Namespace) -> int:
     records = sum(s["records"] for s in manifest["shards"])
     tokens = sum(s["answer_tokens"] for s in manifest["shards"])
     print(f"{args.output}: {records} assistant turns, {tokens} answer tokens in {len(manifest['shards'])} shards")
-    if user.prompts and records < args.examples:
-        print(f"(all {len(user.prompts)} conversations of {args.prompts} were used)")
+    if user.prompts:
+        skipped = too_long(loaded, user.prompts, args.max_answer_tokens)
+        if skipped:
+            print(f"moaspec data: {skipped} of the {len(user.prompts)} conversations of {args.prompts} were skipped: "
+                  f"their first turn leaves no room for --max-answer-tokens {args.max_answer_tokens} in the model's "
+                  f"context ({loaded.cfg.max_position_embeddings} tokens)", file=sys.stderr)
+        if records < args.examples:
+            print(f"(all {len(user.prompts) - skipped} conversations of {args.prompts} that fit were used)")
     return 0
+
+
+def too_long(loaded: Any, conversations: Sequence[Sequence[str]], answer_tokens: int) -> int:
+    """How many ``conversations`` ``moaspec data`` leaves out: their first turn and an answer do not fit the context."""
+    from moaspec.chat import encode_chat
+
+    room = loaded.cfg.max_position_embeddings - answer_tokens
+    return sum(len(encode_chat(loaded.tokenizer, [{"role": "user", "content": turns[0]}])) > room
+               for turns in conversations)
