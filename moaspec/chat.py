@@ -45,12 +45,16 @@ def chat_messages(prompt: str, system: str | None = None) -> list[Message]:
 def encode_chat(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template, ready for the assistant's turn.
 
-    A model without a chat template (a base model) gets the last user message as plain text.
+    A model without a chat template (a base model) gets a lone user message as plain text; a
+    conversation or a system message it cannot render is refused rather than dropped.
     """
     messages = validate_messages(messages)
     if getattr(tokenizer, "chat_template", None):
         text = render_chat(tokenizer, messages, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if len(messages) > 1:
+        raise PromptError(f"the model has no chat template, so these {len(messages)} messages (a conversation or a "
+                          "system message) cannot be rendered: give it one user message, or plain text to complete")
     return encode_text(tokenizer, messages[-1]["content"])
 
 

@@ -142,3 +142,18 @@ def test_the_cli_refuses_system_or_raw_beside_a_conversation(tiny_dirs, tmp_path
     for extra in (["--system", "Be brief."], ["--raw"]):
         proc = run_cli("generate", "--messages", str(chat), "--model", str(tiny_dirs["llama"]), *extra)
         assert_one_line_error(proc, "--system and --raw apply to a single prompt")
+
+
+def test_a_model_without_a_chat_template_refuses_what_it_cannot_render(tiny_llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A base model completes one user message as plain text; a conversation or a system message would be dropped
+    (the prompt was the last message alone, without a word), so it is refused."""
+    from moaspec.chat import encode_chat, encode_text
+
+    tok = tiny_llama.tokenizer
+    monkeypatch.setattr(tok, "chat_template", None)
+    assert encode_chat(tok, [{"role": "user", "content": "Hello there"}]) == encode_text(tok, "Hello there")
+    for messages in ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes?"},
+                      {"role": "user", "content": "More"}]):
+        with pytest.raises(PromptError, match=f"no chat template, so these {len(messages)} messages"):
+            encode_chat(tok, messages)

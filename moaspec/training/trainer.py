@@ -258,7 +258,7 @@ class Trainer:
 
         drafter = load_drafter(path, target, dtype=torch.float32)  # fp32 master weights, the checkpoint's bits kept
         if kind_of(drafter) != self.cfg.kind:
-            raise MoaspecError(f"--init-from {path} is not a {self.cfg.kind} drafter")
+            raise MoaspecError(f"--init-from {path} is not {'an' if self.cfg.kind[0] in 'aeiou' else 'a'} {self.cfg.kind} drafter")
         if drafter.cfg.draft_vocab_size != self.cfg.draft_vocab:
             raise MoaspecError(f"--init-from {path} has draft vocabulary {drafter.cfg.draft_vocab_size}; "
                                "pass the same --draft-vocab")
