@@ -107,6 +107,9 @@ def encode_prompt(target: LoadedModel, prompt: Prompt, system: str | None = None
     whole conversation (``[{"role": ..., "content": ...}, ...]``), or token ids taken as they are."""
     if isinstance(prompt, str):
         if raw:
+            if system is not None:
+                raise PromptError("a system message goes into the chat template, which raw text leaves out: "
+                                  "give the system message or raw, not both")
             return encode_text(target.tokenizer, prompt)
         return encode_chat(target.tokenizer, chat_messages(prompt, system))
     if not isinstance(prompt, Iterable):

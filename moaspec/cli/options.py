@@ -191,6 +191,8 @@ def strategy_for(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-d
         raise MoaspecError("--lookup must be >= 0 (0: off)")
     if args.chain is not None and args.chain < 1:
         raise MoaspecError("--chain must be >= 1")
+    if args.chain is not None and args.tree:
+        raise MoaspecError("--chain and --tree are two ways to draft: give one")
 
     def notify(message: str) -> None:
         print(f"moaspec: {message} (train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
