@@ -358,14 +358,22 @@ def saved_run(tiny_llama, tiny_data: Path, tmp_path_factory) -> Path:  # type: i
     return run
 
 
+def edit_progress(run: Path, **values: int) -> None:
+    path = run / "progress.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
 @pytest.mark.parametrize("damage, says", [
     (lambda run: (run / "progress.json").write_text("{"), "progress.json is not valid JSON"),
     (lambda run: (run / "progress.json").write_text("[]"), "progress.json holds an array where an object belongs"),
     (lambda run: (run / "progress.json").write_text('{"step": 1}'), "progress.json lacks the step"),
+    (lambda run: edit_progress(run, step=-5), "progress.json lacks the step, token, time \\(numbers >= 0\\)"),
+    (lambda run: edit_progress(run, step=99), "progress.json is at update 99 of a run of 2"),
     (lambda run: shutil.rmtree(run / "state"), "state, its saved state, is missing"),
     (lambda run: [f.write_bytes(b"garbage") for f in (run / "state").iterdir()], "state, its saved state, is damaged"),
     (lambda run: (run / "state" / "optimizer.bin").unlink(), "state, its saved state, is damaged"),
-], ids=["progress-not-json", "progress-a-list", "progress-incomplete", "state-missing", "state-garbage", "state-partial"])
+], ids=["progress-not-json", "progress-a-list", "progress-incomplete", "progress-negative", "progress-past-the-end",
+        "state-missing", "state-garbage", "state-partial"])
 def test_a_damaged_run_cannot_be_resumed(tiny_llama, tiny_data: Path, saved_run: Path, tmp_path: Path, damage,  # type: ignore[no-untyped-def]
                                          says: str) -> None:
     run = tmp_path / "run"

@@ -66,6 +66,7 @@ from moaspec.training.distill import (
 from moaspec.training.features import FeatureStore, TargetOut, room_warning
 from moaspec.training.losses import FEATURE_WEIGHT, KL_WEIGHT
 from moaspec.training.masks import staircase_probability
+from moaspec.validation import real_number, whole_number
 
 
 @dataclass(frozen=True)
@@ -117,14 +118,18 @@ def read_progress(run: Path) -> dict[str, Any]:
     """
     path = run / "progress.json"
     saved = read_json(path, dict)
-    numbers = all(isinstance(saved.get(k), (int, float)) for k in ("step", "tokens", "wall_s"))
+    numbers = all(real_number(saved.get(k)) and saved[k] >= 0 for k in ("step", "tokens", "wall_s")) \
+        and whole_number(saved["step"]) and whole_number(saved["tokens"])
+    if numbers and isinstance(saved.get("config"), dict) and whole_number(steps := saved["config"].get("steps")) \
+            and saved["step"] > steps:
+        raise DamagedFile(f"{path} is at update {saved['step']} of a run of {steps}")
     try:
         shard_counts(saved.get("epoch_shards", {}))
         readable = numbers and isinstance(saved.get("config"), dict)
     except (AttributeError, TypeError, ValueError):
         readable = False
     if not readable:
-        raise DamagedFile(f"{path} lacks the step, token, time, config or shard counts a run saves")
+        raise DamagedFile(f"{path} lacks the step, token, time (numbers >= 0), config or shard counts a run saves")
     return saved
 
 
