@@ -1169,6 +1169,19 @@ def test_a_damaged_bundle_names_its_file(client_bundle, tmp_path, name, damage) 
     assert str(error.value).startswith(str(bundle / name)) and "\n" not in str(error.value)
 
 
+def test_a_damaged_drafter_is_not_exported_into_a_bundle(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Its weights are read before they are copied: a truncated file is named at export, not on the client device."""
+    from moaspec.cli import main
+    from moaspec.drafters.checkpoint import save_drafter, target_identity
+
+    path = save_drafter(MoADrafter(MoAConfig.for_target(tiny_llama.cfg)), tmp_path / "moa", target_identity(tiny_llama))
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["export-client", "--model", str(tiny_dirs["llama"]), "--drafter", str(path), "--output",
+                 str(tmp_path / "bundle")]) == 2
+    assert "model.safetensors" in capsys.readouterr().err and not (tmp_path / "bundle").exists()
+
+
 def test_a_tli_client_of_a_qwen3_target_with_scaled_rope_runs_from_its_bundle(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """The bundle keeps what the client's copy of the last block needs besides its weights (the query/key norms,
     the RoPE scaling in its config): the split decoding gives the target's greedy output."""

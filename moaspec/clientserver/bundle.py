@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from moaspec.drafters.checkpoint import KINDS, read_meta
+from moaspec.drafters.checkpoint import KINDS, load_drafter, read_meta
 from moaspec.errors import MoaspecError, ModelLoadError
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.config import ModelConfig
@@ -39,6 +39,7 @@ def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path
         raise MoaspecError(f"{drafter_path} holds no drafter this moaspec knows ({', '.join(KINDS)})")
     if meta.get("target", {}).get("fingerprint") != target.fingerprint:
         raise MoaspecError(f"{drafter_path} was trained for another target")
+    load_drafter(drafter_path, target, dtype=target.model.dtype)  # its weights read whole before they are copied
     layers = int(meta.get("config", {}).get("tli_layers", 0))
     model, L = target.model, target.cfg.num_layers
     wanted = {"embed.weight", "norm"} | ({"lm_head.weight"} if not target.cfg.tie_word_embeddings else set())
