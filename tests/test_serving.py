@@ -290,7 +290,8 @@ def test_authentication(server: str) -> None:
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": 1}, "logprobs"),
-    ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop takes at most 16 strings, got 17"),
+    ({"stop": ["a", ""]}, "a stop string must not be empty"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "assistant", "content": "hi"}]}, "last message"),
@@ -314,6 +315,8 @@ def test_raw_http_errors(server: str) -> None:
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]})
         assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 300})  # beyond the tiny model's context
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"  # not "messages": it has none
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         assert "token id 1000000000 is outside the vocabulary" in r.json()["error"]["message"]

@@ -105,8 +105,10 @@ class _Common(Adjustments):
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOPS or any(not s for s in stops):
-            raise APIError(400, f"stop takes at most {MAX_STOPS} non-empty strings", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "a stop string must not be empty", param="stop")
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
         return tuple(stops)
 
 
@@ -204,7 +206,8 @@ class OpenAIRoutes:
         context = self.engine.context
         if prompt_len >= context:
             raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
-                                f"{prompt_len} tokens. Please shorten it.", param="messages", code="context_length_exceeded")
+                                f"{prompt_len} tokens. Please shorten it.",
+                           param="messages" if isinstance(req, ChatRequest) else "prompt", code="context_length_exceeded")
         room = context - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
