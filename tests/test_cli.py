@@ -405,6 +405,7 @@ def test_outputs_that_cannot_be_made_or_hold_other_files_are_refused_before_any_
     (["serve", "--session-ttl", "nan"], "--session-ttl must be a finite number > 0"),
     (["serve", "--api-key", ""], "--api-key is empty (an unset shell variable?)"),
     (["generate", "hi", "--tree", "--chain", "3"], "--chain and --tree are two ways to draft"),
+    (["generate", "hi", "--stop", ""], "a stop string must not be empty"),
     (["generate", "hi", "--raw", "--system", "Be brief."], "give the system message or raw, not both"),
     (["serve", "--api-key", "  "], "--api-key is empty"),
     (["generate", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0"),

@@ -85,6 +85,8 @@ class GenerationConfig:
                                    f"or None, got {value!r}")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
             raise MoaspecError(f"stop must be a list or tuple of strings, got {self.stop!r}")
+        if any(not s for s in self.stop):
+            raise MoaspecError("a stop string must not be empty")
 
 
 @dataclass
