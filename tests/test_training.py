@@ -398,9 +398,11 @@ def test_a_run_that_fails_before_its_first_step_leaves_nothing(tiny_llama, tiny_
     """Too little data surfaces when the first batch is drawn: no directory with a train_config.json is left behind."""
     t = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=1, save_every=1), progress=False)
     t.examples_for = lambda epoch: []  # type: ignore[method-assign]
-    with pytest.raises(MoaspecError, match="too little data"):
+    with pytest.raises(MoaspecError, match="too little data: 0 training examples make 0 batches of --tokens-per-batch"):
         t.train()
     assert not (tmp_path / "run").exists()
+    with pytest.raises(MoaspecError, match="--val-fraction 0.9999999 holds out all .* usable examples"):
+        Trainer(tiny_llama, tiny_data, tmp_path / "run", small(val_fraction=0.9999999), progress=False)
     Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=1, save_every=1), progress=False).train()
     assert json.loads((tmp_path / "run" / "train_config.json").read_text())["steps"] == 1  # written with the checkpoint
 

@@ -168,6 +168,9 @@ def load_examples(data_dirs: Sequence[Path], model: str, max_len: int, val_fract
             raise MoaspecError(f"{where}: every example is too long for --max-len {max_len} (the shortest prompt has "
                                f"{shortest} tokens, and --max-len must leave room for it and 2 answer tokens); "
                                f"pass --max-len {shortest + 2} or more")
+        if val:  # every usable example fell in the held-out share
+            raise MoaspecError(f"--val-fraction {val_fraction} holds out all {len(val)} usable examples of {where} for "
+                               "validation, leaving none to train on: lower it, or let `moaspec data` write more")
         raise MoaspecError(f"{where}: no usable training examples yet ({answered} answered records); "
                            "let `moaspec data` write more")
     if not val:
@@ -256,7 +259,9 @@ def batch_stream(examples_for: Callable[[int], Sequence[Example]], tokens_per_ba
         batches = make_batches(examples, tokens_per_batch, seed, epoch)
         usable = len(batches) - len(batches) % world
         if not usable:
-            raise MoaspecError(f"too little data for {world} processes: {len(batches)} batches per epoch")
+            raise MoaspecError(f"too little data: {len(examples)} training examples make {len(batches)} batches of "
+                               f"--tokens-per-batch {tokens_per_batch} per epoch, and {world} process(es) need at least "
+                               f"{world}; let `moaspec data` write more")
         for i in range(rank, usable, world):
             if seen >= skip:
                 yield collate([examples[j] for j in batches[i]])
