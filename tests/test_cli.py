@@ -357,8 +357,8 @@ def test_bench_refuses_bad_questions_and_outputs_before_measuring(tiny_dirs, tmp
 
 def test_outputs_that_cannot_be_made_or_hold_other_files_are_refused_before_any_work(tiny_dirs, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                                                     capsys) -> None:
-    """An --output under a file, or where nothing may be created, is one line before the model loads; `data` and
-    `train` do not write into a directory of other files (one they wrote themselves, they resume)."""
+    """An --output under a file, or where nothing may be created, is one line before the model loads; `data`,
+    `train`, `bench`, `bench-cs` and `tune` do not write into a directory of other files (one they wrote, they resume)."""
     from moaspec.cli import main
 
     plain = tmp_path / "plain.txt"
@@ -386,7 +386,7 @@ def test_outputs_that_cannot_be_made_or_hold_other_files_are_refused_before_any_
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
-    for command in ("data", "train"):
+    for command in ("data", "train", "bench", "bench-cs", "tune"):
         assert main([*argvs[command], "--output", str(theirs)]) == 2
         assert "holds files this command did not write (notes.txt)" in capsys.readouterr().err
     assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]

@@ -65,7 +65,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("bench", "bench-cs", "export-client", "export-hf", "tune") and args.output is not None:
             from moaspec.fileio import check_output_dir
 
-            check_output_dir(args.output)
+            # a benchmark's directory: its summary marks a finished run, its journals and plots come before
+            # (the exports write whole directories, which refuse other files themselves)
+            marker, own = ("summary.json", ("*.jsonl", "*.png")) if "bench" in args.command or args.command == "tune" \
+                else (None, ())
+            check_output_dir(args.output, marker, own)
         return COMMANDS[args.command](args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)
