@@ -1157,6 +1157,7 @@ def client_bundle(tiny_llama, tiny_dirs, tmp_path_factory):  # type: ignore[no-u
     ("target.safetensors", lambda b: b"garbage" * 10), ("target.safetensors", lambda b: b[: len(b) // 2]),
 ])
 def test_a_damaged_bundle_names_its_file(client_bundle, tmp_path, name, damage) -> None:  # type: ignore[no-untyped-def]
+    """Each file of a bundle that is damaged or missing is named (a missing tokenizer was taken for a hub name)."""
     import shutil
 
     from moaspec.clientserver.bundle import load_bundle
@@ -1167,6 +1168,10 @@ def test_a_damaged_bundle_names_its_file(client_bundle, tmp_path, name, damage) 
     with pytest.raises(MoaspecError, match="is damaged .*: export the client bundle again") as error:
         load_bundle(bundle)
     assert str(error.value).startswith(str(bundle / name)) and "\n" not in str(error.value)
+    shutil.rmtree(bundle / "tokenizer")
+    (bundle / name).write_bytes((client_bundle / name).read_bytes())
+    with pytest.raises(MoaspecError, match=f"cannot load the tokenizer: {bundle / 'tokenizer'} is missing"):
+        load_bundle(bundle)
 
 
 def test_a_damaged_drafter_is_not_exported_into_a_bundle(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

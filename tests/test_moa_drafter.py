@@ -352,6 +352,10 @@ def test_a_hand_edited_config_is_refused_naming_the_field(tiny_llama, tmp_path: 
     with pytest.raises(DrafterError, match="invalid drafter config") as err:
         load_drafter(path, tiny_llama)
     assert words in str(err.value)
+    del meta["config"]  # the whole architecture section
+    (path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(DrafterError, match="invalid drafter config: it lacks 'config'"):
+        load_drafter(path, tiny_llama)
 
 
 @pytest.mark.parametrize("damage", ["missing", "not-json", "wrong-format", "no-weights", "bad-config", "no-target",

@@ -167,7 +167,9 @@ def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | str
     try:
         cfg = config_cls.from_dict(meta["config"])
         cfg.check_target(target.cfg)
-    except (KeyError, TypeError, ValueError) as exc:
+    except KeyError as exc:  # a field the architecture needs, or the "config" section itself
+        raise DrafterError(f"{path} has an invalid drafter config: it lacks {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
         raise DrafterError(f"{path} has an invalid drafter config: {exc}") from None
     try:
         state = load_file(str(path / "model.safetensors"))

@@ -275,6 +275,8 @@ def load_tokenizer(path: Path) -> object:
     """
     import transformers  # deferred: importing transformers costs ~1 s
 
+    if not path.is_dir():  # transformers would take the path for a hub repository's name
+        raise ModelLoadError(f"cannot load the tokenizer: {path} is missing")
     cls = transformers.AutoTokenizer
     if (path / "moaspec-source.json").is_file() or (path.parent / "bundle.json").is_file():
         try:
