@@ -96,6 +96,9 @@ def test_a_gguf_whose_rope_scaling_transformers_would_drop_is_refused(tmp_path: 
     writer.close()
     if says is None:
         sources.refuse_unreadable_rope(path)  # plain RoPE: on to transformers' reader
+        path.write_bytes(path.read_bytes()[:-20])  # cut short: the last tensor's data incomplete
+        with pytest.raises(ModelLoadError, match="damaged or cut short"):
+            sources.refuse_unreadable_rope(path)
     else:
         with pytest.raises(ModelLoadError, match=re.escape(says)):
             sources.convert_gguf(path, tmp_path / "converted")

@@ -123,8 +123,9 @@ def refuse_unreadable_rope(gguf: Path) -> None:
 
     try:
         reader = GGUFReader(str(gguf))
-    except Exception as exc:  # gguf raises several types for a damaged file
-        raise ModelLoadError(f"cannot read GGUF file {gguf}: {brief(exc)}") from None
+    except Exception as exc:  # gguf raises several types for a damaged file (a truncated one: a failed reshape)
+        raise ModelLoadError(f"cannot read GGUF file {gguf} ({gguf.stat().st_size:,} bytes: damaged or cut short? "
+                             f"download it again): {brief(exc)}") from None
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ModelLoadError(f"{gguf} scales its RoPE per dimension (a rope_freqs tensor, as Llama 3.1 and later have), "
                              "which transformers' GGUF reader drops: load the model's Hugging Face directory instead")
