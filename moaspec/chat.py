@@ -17,8 +17,13 @@ def validate_messages(messages: Sequence[Message]) -> list[Message]:
         raise PromptError("the conversation is empty: give at least one user message")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise PromptError(f"message {i} must be an object with a role in {ROLES} and a string content")
+        if not isinstance(m, dict):
+            raise PromptError(f"message {i} must be an object with a role and a content, got {type(m).__name__}")
+        if m.get("role") not in ROLES:
+            raise PromptError(f"message {i} has the role {m.get('role')!r}; a role is one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise PromptError(f"message {i} ({m['role']}) must have a string content, got "
+                              f"{type(m.get('content')).__name__ if 'content' in m else 'none'}")
         check_text(m["content"], "the prompt" if i == len(messages) - 1 else f"message {i} ({m['role']})")
         out.append({"role": m["role"], "content": m["content"]})
     if out[-1]["role"] != "user":

@@ -157,3 +157,17 @@ def test_a_model_without_a_chat_template_refuses_what_it_cannot_render(tiny_llam
                       {"role": "user", "content": "More"}]):
         with pytest.raises(PromptError, match=f"no chat template, so these {len(messages)} messages"):
             encode_chat(tok, messages)
+
+
+@pytest.mark.parametrize("message, says", [
+    ("hi", "message 0 must be an object with a role and a content, got str"),
+    ({"role": "wizard", "content": "hi"}, "message 0 has the role 'wizard'; a role is one of system, user, assistant"),
+    ({"role": "user", "content": ["hi"]}, "message 0 (user) must have a string content, got list"),
+    ({"role": "user"}, "message 0 (user) must have a string content, got none"),
+])
+def test_a_malformed_message_says_what_is_wrong_with_it(message, says: str) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.chat import validate_messages
+
+    with pytest.raises(PromptError) as err:
+        validate_messages([message])
+    assert str(err.value) == says
