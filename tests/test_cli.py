@@ -431,6 +431,18 @@ def test_serving_every_interface_without_a_key_is_warned_about(tiny_dirs, monkey
         assert ("serving on 0.0.0.0 without a key" in capsys.readouterr().err) == warned
 
 
+def test_more_threads_than_cores_are_warned_about(tiny_dirs, capsys) -> None:  # type: ignore[no-untyped-def]
+    """1000 threads on 2 cores ran 8x slower without a word."""
+    from moaspec.cli import main
+
+    cores = len(os.sched_getaffinity(0))
+    args = ["generate", "hi", "--model", str(tiny_dirs["llama"]), "--no-draft", "--max-new-tokens", "1"]
+    assert main([*args, "--threads", str(cores + 1)]) == 0
+    assert f"--threads {cores + 1} is more than the {cores} cores" in capsys.readouterr().err
+    assert main([*args, "--threads", str(cores)]) == 0
+    assert "more than the" not in capsys.readouterr().err
+
+
 def test_text_that_is_not_utf8_is_refused(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Bytes that are not UTF-8 on the command line, on stdin or in a --messages file: one line, no traceback."""
     model = ["--model", str(tiny_dirs["llama"]), "--max-new-tokens", "2"]

@@ -209,6 +209,10 @@ def load_target(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from moaspec.models import load_model
 
     if args.threads:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if args.threads > cores:
+            print(f"moaspec: warning: --threads {args.threads} is more than the {cores} cores this process may use; "
+                  "threads that wait for a core slow every step", file=sys.stderr)
         torch.set_num_threads(args.threads)
     if getattr(args, "drafter_dtype", None):  # read where drafters load, here and in any server process started
         from moaspec.drafters.checkpoint import DTYPE_VARIABLE
