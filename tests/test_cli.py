@@ -572,14 +572,15 @@ def test_generate_chat_holds_a_conversation(tiny_dirs, tmp_path: Path) -> None: 
     """``--chat`` answers a prompt, then each line of stdin as the next turn of one conversation (each answer the one
     generate gives for the whole conversation), starts over at /reset, and ends at the end of input."""
     common = ("--model", str(tiny_dirs["llama"]), "--max-new-tokens", "6")
-    proc = run_cli("generate", "hi", "--chat", *common, stdin="again\n\n/reset\nhi\n")
+    proc = run_cli("generate", "hi", "--chat", *common, stdin="again\n\n/rest\n/reset\nhi\n")
     assert proc.returncode == 0, proc.stderr
     first = json.loads(run_cli("generate", "hi", *common, "--json").stdout)["text"]
     msgs = tmp_path / "conv.json"
     msgs.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": first},
                                 {"role": "user", "content": "again"}]))
     second = json.loads(run_cli("generate", "--messages", str(msgs), *common, "--json").stdout)["text"]
-    assert proc.stdout == f"{first}\n{second}\n{first}\n"  # the blank line is no turn
+    assert proc.stdout == f"{first}\n{second}\n{first}\n"  # the blank line is no turn, nor is a mistyped command
+    assert "(no command /rest: /reset starts over" in proc.stderr
     assert_one_line_error(run_cli("generate", "hi", "--chat", "--json", *common), "--chat")
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +64,11 @@ def chat_loop(tokenizer: Any, answer: Callable[[list[int], Writer], None], start
                 continue
             if not line:
                 continue
-            history.append({"role": "user", "content": line})
+            if re.fullmatch(r"/\w+", line):  # a mistyped command is not a message to the model
+                print(f"(no command {line}: /reset starts over, /exit ends; //{line[1:]} sends {line} as a message)",
+                      file=sys.stderr)
+                continue
+            history.append({"role": "user", "content": line[1:] if line.startswith("//") else line})
         written: list[str] = []
 
         def write(text: str, colour: str, written: list[str] = written) -> None:
