@@ -868,6 +868,10 @@ def test_the_client_command(tiny_llama, tiny_dirs, tmp_path, capsys) -> None:  #
         assert main([*args, "--drafter", str(path), "--network", "lan+offline-after:4", "--json", "The quick brown fox"]) == 0
         cut = jsonlib.loads(capsys.readouterr().out)
         assert cut["unverified"] > 0 and cut["new_tokens"] == 12 and cut["offline_tokens"] >= cut["unverified"]
+        # streamed into a pipe (capsys is no terminal): the text and the note hold no colour codes
+        assert main([*args, "--drafter", str(path), "--network", "lan+offline-after:4", "The quick brown fox"]) == 0
+        streamed = capsys.readouterr()
+        assert "were never verified" in streamed.err and "\033[" not in streamed.out + streamed.err
         assert main([*args, "--drafter", str(path), "--lookup", "0", "--json", "The quick brown fox"]) == 0
         assert jsonlib.loads(capsys.readouterr().out)["text"] == out["text"]  # lookup on (the default) or off
         assert main([*args, "--drafter", str(path), "--tree", "--tree-depth", "3", "--json", "The quick brown fox"]) == 0

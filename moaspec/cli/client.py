@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
     def piece(text: str, kind: str) -> None:
         if cut_after is not None and proxy is not None and len(gen.sink.tokens) >= cut_after:
             proxy.cut()
-        if not args.json:
-            write(text, colours[kind] if (args.show_drafts or kind == "unverified") else "")
+        if not args.json:  # unverified text is coloured on a terminal even without --show-drafts; a pipe gets no codes
+            write(text, colours[kind] if (args.show_drafts or (kind == "unverified" and sys.stdout.isatty())) else "")
 
     def event(text: str) -> None:
         print(f"\n[moaspec: {text}]", file=sys.stderr, flush=True)
@@ -127,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
                           on_event=None if args.json else event)
     def unverified_note(result: Any) -> None:
         if result.unverified:
-            print(f"[moaspec: the last {result.unverified} tokens ({UNVERIFIED_COLOUR}coloured{RESET}) were never "
-                  "verified: the server stayed unreachable]", file=sys.stderr)
+            marked = f" ({UNVERIFIED_COLOUR}coloured{RESET})" if sys.stdout.isatty() and sys.stderr.isatty() else ""
+            print(f"[moaspec: the last {result.unverified} tokens{marked} were never verified: the server stayed "
+                  "unreachable]", file=sys.stderr)
 
     def answer(ids: list[int], writer: Writer) -> None:
         nonlocal write
