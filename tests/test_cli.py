@@ -443,6 +443,17 @@ def test_more_threads_than_cores_are_warned_about(tiny_dirs, capsys) -> None:  #
     assert "more than the" not in capsys.readouterr().err
 
 
+def test_an_option_a_command_does_not_take_is_reported_with_that_commands_usage(capsys) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.cli import main
+
+    for command in (["generate", "hi"], ["client", "--server", "http://127.0.0.1:9", "hi"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, "--bogus"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"moaspec {command[0]}: error: unrecognized arguments: --bogus" in err
+        assert f"usage: moaspec {command[0]} " in err
+
+
 def test_text_that_is_not_utf8_is_refused(tiny_dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Bytes that are not UTF-8 on the command line, on stdin or in a --messages file: one line, no traceback."""
     model = ["--model", str(tiny_dirs["llama"]), "--max-new-tokens", "2"]

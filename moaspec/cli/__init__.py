@@ -15,6 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from moaspec.cli import bench, bench_cs, client, data, export_client, export_hf, generate, serve, train, tune
 from moaspec.errors import MoaspecError
@@ -47,11 +48,25 @@ def disk_error_in(exc: Exception) -> int | None:
     return code if code in DISK_ERRORS else None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moaspec", description="Mixture of Attentions speculative decoding.")
+class CommandParser(argparse.ArgumentParser):
+    """The top parser. An option the command does not take is reported with the command's usage (argparse's own
+    reports it with the top one, ``moaspec [-h] COMMAND ...``, which lists no option at all)."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.commands[parsed.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="moaspec", description="Mixture of Attentions speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in _MODULES.values():
         module.add_parser(sub)
+    parser.commands = dict(sub.choices)
     return parser
 
 
