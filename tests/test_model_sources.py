@@ -126,3 +126,18 @@ def test_gguf_files_of_other_families_convert_to_the_same_model(tmp_path: Path, 
                                original.model(ids, original.model.new_cache(64)).logits, atol=1e-5, rtol=0)
     messages = chat_messages("The quick brown fox")
     assert encode_chat(converted.tokenizer, messages) == encode_chat(original.tokenizer, messages)
+
+
+def test_the_default_models_name_is_taken_in_any_case(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model SmolLM2` named the default in other letters and was refused as a missing path."""
+    from moaspec.errors import ModelLoadError
+
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "moaspec-source.json").write_text("{}")
+    monkeypatch.setattr(sources, "default_gguf_path", lambda: tmp_path / "default.gguf")
+    monkeypatch.setattr(sources, "_gguf_cache_dir", lambda gguf: converted)
+    monkeypatch.chdir(tmp_path)
+    assert sources.resolve_model("SmolLM2") == sources.resolve_model(sources.DEFAULT_MODEL) == converted
+    with pytest.raises(ModelLoadError, match="does not exist \\(--model takes a model directory, a .gguf file, or"):
+        sources.resolve_model("SmolLM3")

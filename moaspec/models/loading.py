@@ -299,7 +299,8 @@ def load_model_dir(
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if not path.is_dir():
-        raise ModelLoadError(f"model path {path} is not a directory")
+        raise ModelLoadError(f"model path {path} is not a directory (a model is a Hugging Face model directory or "
+                             "a .gguf file)")
     cfg = ModelConfig.from_model_dir(path)
     device = usable_device(device)
     dtype = usable_dtype(dtype)

@@ -141,7 +141,7 @@ def resolve_model(spec: str | None) -> Path:
     ``None`` or ``"smollm2"`` is the embedded default; a ``.gguf`` file is converted
     into the cache on first use; anything else must be a model directory.
     """
-    if spec in (None, "", DEFAULT_MODEL):
+    if spec in (None, "", DEFAULT_MODEL) or (spec.lower() == DEFAULT_MODEL and not Path(spec).expanduser().exists()):
         gguf = default_gguf_path()
     elif spec.endswith(".gguf"):
         gguf = Path(spec).expanduser()
@@ -150,7 +150,8 @@ def resolve_model(spec: str | None) -> Path:
     else:
         path = Path(spec).expanduser()
         if not path.exists():
-            raise ModelLoadError(f"model path {path} does not exist")
+            raise ModelLoadError(f"model path {path} does not exist (--model takes a model directory, a .gguf file, "
+                                 f"or {DEFAULT_MODEL}, the default)")
         return path
     dest = _gguf_cache_dir(gguf)
     if not (dest / "moaspec-source.json").is_file():
