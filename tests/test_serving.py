@@ -313,6 +313,9 @@ def test_raw_http_errors(server: str) -> None:
     with httpx.Client(base_url=server, headers=auth) as http:
         r = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        for body in ([{"model": MODEL}], "hi", 5):
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["message"] == "the request body must be a JSON object"
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]})
         assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1] * 300})  # beyond the tiny model's context

@@ -59,6 +59,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return "the request has no body: send a JSON object", None
         return f"missing required parameter: {'.'.join(loc)}", ".".join(loc)
     where = ".".join(loc)
+    if not where and e.get("type") in ("model_attributes_type", "dict_type"):  # a JSON array, string or number
+        return "the request body must be a JSON object", None
     return (f"invalid value for '{where}': {e.get('msg', 'invalid')}" if where else str(e.get("msg"))), where or None
 
 
