@@ -141,3 +141,11 @@ def test_the_default_models_name_is_taken_in_any_case(tmp_path: Path, monkeypatc
     assert sources.resolve_model("SmolLM2") == sources.resolve_model(sources.DEFAULT_MODEL) == converted
     with pytest.raises(ModelLoadError, match="does not exist \\(--model takes a model directory, a .gguf file, or"):
         sources.resolve_model("SmolLM3")
+
+
+def test_a_converted_model_is_named_for_people_without_its_digest(tmp_path: Path, cache: Path) -> None:
+    """`moaspec serve` serves a converted GGUF by its file's stem: the digest and cache format were left in the name
+    since the conversion cache added the format, so the README's model id got a 404."""
+    path = _gguf(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF bytes")
+    assert sources.model_name(sources._gguf_cache_dir(path)) == "SmolLM2-135M-Instruct.Q4_1"
+    assert sources.model_name(tmp_path / "Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"  # a directory of one's own

@@ -44,11 +44,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    import re
-
     import torch
 
     from moaspec.api import decoding_given
+    from moaspec.models.sources import model_name
     from moaspec.serving import Engine, create_app, listen, run_server
 
     options.require(args, ">= 1", options.at_least(1), "parallel", "default_max_tokens", "max_body_bytes",
@@ -94,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         moas.append(more)
     limits = Limits(max_sessions=args.max_sessions, max_draft=args.max_draft, ttl_s=args.session_ttl)
     sessions = SessionStore(loaded, moas, limits, prompt_cache=prompts, cores=cores, batcher=batcher)
-    name = args.served_model_name or re.sub(r"-[0-9a-f]{16}$", "", loaded.path.name).lower()
+    name = args.served_model_name or model_name(loaded.path).lower()
     api_key = args.api_key or os.environ.get("MOASPEC_API_KEY") or None
     app = create_app(engine, name, api_key=api_key, default_max_tokens=args.default_max_tokens,
                      max_body_bytes=args.max_body_bytes, sessions=sessions)

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -69,6 +70,12 @@ def _gguf_cache_dir(gguf: Path) -> Path:
             digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
         atomic_write_text(stamp, digest)
     return models / f"{gguf.stem}-{digest}-f{CACHE_FORMAT}"
+
+
+def model_name(path: Path) -> str:
+    """A model directory's name for people: a converted GGUF's without the digest and format that
+    :func:`_gguf_cache_dir` add to its file's stem (what ``moaspec serve`` serves it as)."""
+    return re.sub(r"-[0-9a-f]{16}(-f\d+)?$", "", path.name)
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
