@@ -79,7 +79,7 @@ def test_streaming_stops_and_seeded_sampling(lm) -> None:  # type: ignore[no-unt
     ([1.5], {}, "a list of token ids"),
     ([{"role": "user", "content": "hi"}], {"system": "x"}, "applies to a single prompt string"),
     ([{"role": "user", "content": "hi"}], {"raw": True}, "applies to a single prompt string"),
-    ([{"role": "bot", "content": "hi"}], {}, "message 0 must be an object"),
+    ([{"role": "bot", "content": "hi"}], {}, "message 0 has the role 'bot'"),
     (None, {}, "a list of token ids; got NoneType"),
     (42, {}, "a list of token ids; got int"),
 ])

@@ -558,7 +558,7 @@ def test_warm_start_from_an_exported_drafter(tiny_llama, tiny_data: Path, tmp_pa
     assert len(lineage[0]) == 1 and lineage[0][0].startswith("from random weights: 10 updates at lr ")
     assert lineage[1][:1] == lineage[0] and len(lineage[1]) == 2 and lineage[1][1].startswith("+2 updates at lr ")
     assert str(tiny_data) in lineage[1][1] and "1 process(es) on cpu" in lineage[1][1]
-    with pytest.raises(MoaspecError, match="not a eagle drafter"):
+    with pytest.raises(MoaspecError, match="not an eagle drafter"):
         Trainer(tiny_llama, tiny_data, tmp_path / "c", small(kind="eagle", init_from=str(tmp_path / "a" / "drafter")),
                 progress=False)
 
