@@ -353,6 +353,16 @@ def test_bench_refuses_bad_questions_and_outputs_before_measuring(tiny_dirs, tmp
     assert main(["bench-cs", *base[:-4], "--methods", ",", "--output", str(tmp_path / "c")]) == 2
     assert "distinct methods" in capsys.readouterr().err
     assert main(["bench-cs", *base[:-4], "--methods", "moa,moa", "--output", str(tmp_path / "c")]) == 2
+    import socket
+
+    with socket.socket() as taken:  # the port its server would take: refused before anything is loaded or written
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        capsys.readouterr()
+        assert main(["bench-cs", *base[:-4], "--port", str(port), "--output", str(tmp_path / "c")]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 def test_outputs_that_cannot_be_made_or_hold_other_files_are_refused_before_any_work(tiny_dirs, tmp_path: Path,  # type: ignore[no-untyped-def]

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     options.require(args, ">= 0", options.at_least(0), "disconnect_after")
     if not 1 <= args.port <= 65535:
         raise MoaspecError(f"--port must be in 1..65535, got {args.port}")
+    from moaspec.serving import listen
+
+    listen("127.0.0.1", args.port).close()  # a taken port, before any loading or writing (its server starts last)
     sampling = SamplingParams(args.temperature, top_p=args.top_p, seed=0 if args.seed is None else args.seed)
     questions = load_questions(args.questions, per_file=args.limit)
     loaded = options.load_target(args)
