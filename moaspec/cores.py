@@ -15,11 +15,17 @@ when it begins (:meth:`Cores.busy`) instead of trusting what its thread had.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (taskset), not the machine's; macOS has no affinity to ask."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Cores:

@@ -209,7 +209,9 @@ def load_target(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from moaspec.models import load_model
 
     if args.threads:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        from moaspec.cores import usable_cores
+
+        cores = usable_cores()
         if args.threads > cores:
             print(f"moaspec: warning: --threads {args.threads} is more than the {cores} cores this process may use; "
                   "threads that wait for a core slow every step", file=sys.stderr)

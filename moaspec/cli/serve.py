@@ -59,13 +59,12 @@ def run(args: argparse.Namespace) -> int:
         raise MoaspecError("--api-key is empty (an unset shell variable?); give the key, or leave the option out "
                            "to serve without authentication")
     sock = listen(args.host, args.port)  # fail on a taken port before loading anything
-    # the cores this process may run on (taskset), not the machine's; macOS has no affinity to ask
-    total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from moaspec.cores import Cores, usable_cores
+
+    total = usable_cores()
     if not args.threads:  # share the cores between the parallel decoders instead of oversubscribing them
         torch.set_num_threads(max(1, total // args.parallel))  # before loading: packing measures
     loaded = options.load_target(args)
-    from moaspec.cores import Cores
-
     # a prefill alone may take every core (chosen threads, or one decoder, need no sharing; a GPU does not care)
     share = torch.get_num_threads()
     cores = Cores(total, share) if not args.threads and share < total and loaded.model.device.type == "cpu" else None
