@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from moaspec.drafters.checkpoint import KINDS, load_drafter, read_meta
+from moaspec.drafters.checkpoint import load_drafter, read_meta
 from moaspec.errors import MoaspecError, ModelLoadError
 from moaspec.fileio import atomic_write_dir
 from moaspec.models.config import ModelConfig
@@ -34,13 +34,10 @@ FORMAT = "moaspec-client-bundle/2"  # /1 held no norm nor blocks, under other na
 
 def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path:
     """Write the client bundle for ``target`` and the drafter at ``drafter_path`` to ``output``."""
-    meta = read_meta(drafter_path)
-    if meta.get("kind") not in KINDS:
-        raise MoaspecError(f"{drafter_path} holds no drafter this moaspec knows ({', '.join(KINDS)})")
-    if meta.get("target", {}).get("fingerprint") != target.fingerprint:
-        raise MoaspecError(f"{drafter_path} was trained for another target")
-    load_drafter(drafter_path, target, dtype=target.model.dtype)  # its weights read whole before they are copied
-    layers = int(meta.get("config", {}).get("tli_layers", 0))
+    # the whole checkpoint checked before it is copied: a kind this moaspec knows, trained for this target, its
+    # weights readable
+    load_drafter(drafter_path, target, dtype=target.model.dtype)
+    layers = int(read_meta(drafter_path).get("config", {}).get("tli_layers", 0))
     model, L = target.model, target.cfg.num_layers
     wanted = {"embed.weight", "norm"} | ({"lm_head.weight"} if not target.cfg.tie_word_embeddings else set())
     tensors = {name: t.detach().to(torch.float16).cpu().contiguous() for name, t in model.state_dict().items()
