@@ -115,7 +115,7 @@ def encode_prompt(target: LoadedModel, prompt: Prompt, system: str | None = None
     if not isinstance(prompt, Iterable):
         raise PromptError(f"a prompt is a string, a list of {{'role', 'content'}} messages, or a list of token ids; "
                           f"got {type(prompt).__name__}")
-    items = list(prompt)
+    items: list[Any] = list(prompt)  # checked below: messages by encode_chat, ids by operator.index
     if not items:
         raise PromptError("the prompt is empty")
     if isinstance(items[0], dict):

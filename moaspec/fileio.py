@@ -18,7 +18,7 @@ def _umask() -> int:
     return umask
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

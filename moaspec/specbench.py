@@ -38,7 +38,8 @@ def load_questions(path: str | Path, per_file: int | None = None, skip: int = 0)
             text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError) as exc:
             raise MoaspecError(f"cannot read {f} as UTF-8 text: {exc}") from None
-        rows, seen = [], {}  # question id -> its line: answers and results are kept per id
+        rows: list[Question] = []
+        seen: dict[str, int] = {}  # question id -> its line: answers and results are kept per id
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue

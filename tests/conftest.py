@@ -17,6 +17,12 @@ torch.set_num_threads(2)
 os.environ["MOASPEC_TUNED"] = tempfile.mkdtemp(prefix="moaspec-tuned-")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fast tests on tiny random models first, then those on the real default model (marked ``real``):
+    a broken change fails in the first minutes, and the real model loads once the rest has passed."""
+    items.sort(key=lambda item: item.get_closest_marker("real") is not None)  # stable: file order kept within each
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One tiny random model directory per supported family."""

@@ -34,6 +34,19 @@ def test_generate_json(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     assert {"text", "finish_reason", "tokens_per_s", "total_s", "prefill_s", "target_calls"} <= out.keys()
 
 
+@pytest.mark.parametrize("json_out", [True, False])
+def test_a_reader_that_leaves_gets_no_traceback(tiny_dirs, json_out: bool) -> None:  # type: ignore[no-untyped-def]
+    """`moaspec generate ... | head -c 1`: the output's reader is gone before it is written (stdout closed here)."""
+    proc = subprocess.Popen([sys.executable, "-m", "moaspec", "generate", "The quick brown", "--model",
+                             str(tiny_dirs["llama"]), "--max-new-tokens", "5", *(["--json"] if json_out else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
 def test_generate_json_with_logprobs(tiny_dirs) -> None:  # type: ignore[no-untyped-def]
     proc = run_cli("generate", "The quick brown", "--model", str(tiny_dirs["llama"]), "--json", "--max-new-tokens", "6",
                    "--logprobs", "2", "--chain", "3")

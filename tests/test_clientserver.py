@@ -128,6 +128,26 @@ def test_split_greedy_equals_the_targets_greedy(tiny_llama, drafter, server, fmt
         + (0 if fmt == "fp16" else (len(PROMPT) + sum(result.accepted_lengths)) * 2)
 
 
+@pytest.mark.parametrize("kind", ["moa", "eagle"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
+def test_chains_cut_short_by_confidence_pipeline_on(tiny_llama, drafter, eagle, server, kind, sampling,  # type: ignore[no-untyped-def]
+                                                    monkeypatch) -> None:
+    """A chain that ends below ``confidence`` has fed its last draft to decide against the next: the drafts
+    made while it is verified continue from that draft's output (they once fed nothing and crashed)."""
+    from moaspec.drafters.proposers import DrafterProposer
+
+    continued = []  # drafting that began where the drafter had already fed every token
+    original = DrafterProposer._continue
+    monkeypatch.setattr(DrafterProposer, "_continue", lambda self, tokens: (
+        continued.append(len(tokens) == self._own_length()), original(self, tokens))[1])
+    mine = drafter if kind == "moa" else eagle
+    result = split(tiny_llama, mine, server, 40, draft_len=4, pipeline=True, confidence=0.99, sampling=sampling)
+    assert len(result.token_ids) == 40 and result.unverified == 0
+    if sampling.greedy:
+        assert result.token_ids == vanilla(tiny_llama, 40)
+    assert any(continued)
+
+
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_prompt_lookup_copies_are_sent_and_greedy_output_is_unchanged(tiny_llama, drafter, server, pipeline) -> None:  # type: ignore[no-untyped-def]
     plain = split(tiny_llama, drafter, server, 60, draft_len=1, pipeline=pipeline)
@@ -584,6 +604,21 @@ def test_sessions_are_limited_and_expire(tiny_llama, drafter) -> None:  # type: 
         assert err.value.status == 404
         assert remote.open(PROMPT, "moa", "fp16", 8)["session"]  # expired sessions freed their places
         remote.shutdown()
+
+
+def test_a_client_that_fails_mid_answer_frees_its_session(tiny_llama, drafter, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.drafters.proposers import DrafterProposer
+
+    def broken(self, tokens, n, sampling, generator):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in drafting")
+
+    with running(make_app(tiny_llama, drafter, max_sessions=1, ttl_s=600)) as url:
+        with monkeypatch.context() as m:
+            m.setattr(DrafterProposer, "propose", broken)
+            with pytest.raises(RuntimeError, match="a bug in drafting"):
+                split(tiny_llama, drafter, url, 20, draft_len=2)
+        # the one place is free again at once, not after ttl_s
+        assert split(tiny_llama, drafter, url, 20, draft_len=2).token_ids == vanilla(tiny_llama, 20)
 
 
 def token_ids(n: int, seed: int) -> list[int]:

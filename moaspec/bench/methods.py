@@ -15,6 +15,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -113,7 +114,10 @@ _WHERE = {
 }
 
 
-def require_drafter(path: str | Path | None, kind: type[Drafter], used_by: str, target: LoadedModel) -> Drafter:
+D = TypeVar("D", bound=Drafter)
+
+
+def require_drafter(path: str | Path | None, kind: type[D], used_by: str, target: LoadedModel) -> D:
     """The drafter at ``path`` (else the one of that kind shipped for ``target``), which the method(s) ``used_by``
     need to be a ``kind``; a clear error otherwise."""
     if path is None:

@@ -13,6 +13,7 @@ import argparse
 import errno
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -85,7 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             marker, own = ("summary.json", ("*.jsonl", "*.png")) if "bench" in args.command or args.command == "tune" \
                 else (None, ())
             check_output_dir(args.output, marker, own)
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a reader that left is found here, not by the interpreter at exit
+        return code
+    except BrokenPipeError:
+        # the reader of the output left (`| head`): stop quietly, as any Unix tool does, with SIGPIPE's status
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from moaspec.clientserver.netem import PROFILES
     from moaspec.decoding import SamplingParams
     from moaspec.drafters import shipped_drafter
+    from moaspec.drafters.base import Drafter
     from moaspec.drafters.eagle import EagleDrafter
     from moaspec.drafters.independent import IndependentDrafter
     from moaspec.drafters.moa import MoADrafter
@@ -75,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     path = args.drafter or shipped_drafter(loaded)
     if path is None:
         raise MoaspecError(f"no drafter ships for {loaded.path.name}: pass --drafter")
-    drafters = {"moa": require_drafter(str(path), MoADrafter, "moa", loaded)}
+    moa = require_drafter(str(path), MoADrafter, "moa", loaded)
+    drafters: dict[str, Drafter] = {"moa": moa}
     more = [(p, require_drafter(p, MoADrafter, "the disconnection study", loaded))
             for p in (p.strip() for p in args.disconnect_drafters.split(",")) if p]
-    depths = [d.cfg.tli_layers for d in ([drafters["moa"]] if "moa" in methods else []) + [d for _, d in more]]
+    depths = [d.cfg.tli_layers for d in ([moa] if "moa" in methods else []) + [d for _, d in more]]
     if len(set(depths)) < len(depths):
         raise MoaspecError(f"--disconnect-drafters: one MoA drafter per N (Target Layer Inference depth); got N = {depths}")
     for method, where, kind in (("eagle2", args.eagle_drafter, EagleDrafter),

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        loaded.tokenizer.save_pretrained(str(tmp))  # type: ignore[attr-defined]
+        loaded.tokenizer.save_pretrained(str(tmp))
 
     atomic_write_dir(args.output, write, marker="config.json")
     print(f"transformers model in {args.output} ({drafter.cfg.layers} layers; load it with "

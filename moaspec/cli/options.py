@@ -131,8 +131,9 @@ def add_confidence_option(p: argparse.ArgumentParser, tunable: bool = False) -> 
     from moaspec.decoding.speculative import DEFAULT_CONFIDENCE
 
     p.add_argument("--draft-confidence", type=_probability, default=None if tunable else DEFAULT_CONFIDENCE, metavar="P",
-                   help="end a chain early (chains only): drafts after the first only while the drafter gives them probability "
-                        f">= P, so --chain is the most per forward (0: off; default {DEFAULT_CONFIDENCE:g})")
+                   help="end a chain early (chains only): drafts after the first only while the drafter gives its "
+                        f"likeliest token probability >= P, so --chain is the most per forward (0: off; default "
+                        f"{DEFAULT_CONFIDENCE:g})")
 
 
 def _add_lookup_option(p: argparse.ArgumentParser) -> None:

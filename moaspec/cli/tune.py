@@ -20,7 +20,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     u.add_argument("--output", default=None,
                    help="run directory for answers, summary.json and plots (default: beside the saved setting, in the "
                         "cache); an interrupted run resumes there")
-    u.add_argument("--no-save", action="store_true", help="measure and print, but save nothing")
+    u.add_argument("--no-save", action="store_true",
+                   help="measure and print, but do not make the best setting the default (the run directory still "
+                        "keeps the answers and summary, so that an interrupted run resumes)")
     u.add_argument("--no-progress", action="store_true")
     options.add_model_options(u)
     options.add_drafter_dtype_option(u)

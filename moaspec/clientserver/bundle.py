@@ -46,7 +46,7 @@ def export_bundle(target: LoadedModel, drafter_path: Path, output: Path) -> Path
     def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "target.safetensors"))
         shutil.copytree(drafter_path, tmp / "drafter")
-        target.tokenizer.save_pretrained(str(tmp / "tokenizer"))  # type: ignore[attr-defined]
+        target.tokenizer.save_pretrained(str(tmp / "tokenizer"))
         info = {"format": FORMAT, "config": target.cfg.to_dict(), "fingerprint": target.fingerprint,
                 "source": target.path.name, "target_layers": layers}
         (tmp / "bundle.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -468,6 +468,7 @@ class SplitGeneration:
         # the verified text and drafter state after the last generation: the next turn of a conversation
         # (which begins with it) starts from that state, and the server sends only the rest
         self._previous: tuple[list[int], SplitProposer] | None = None
+        self._open_session: str | None = None  # the session to close if an answer ends in an error
         self._server_takes_have_state: bool | None = None  # asked once, when first needed
 
     # --- helpers ------------------------------------------------------------------------
@@ -477,7 +478,7 @@ class SplitGeneration:
             self.on_event(text)
 
     def _take_state(self, answer: dict[str, Any], start: int) -> None:
-        if self.proposer.state_kind == "none":
+        if isinstance(self.proposer, SplitIndependentProposer):  # state_kind "none": nothing comes
             return
         state = answer.get("state")
         if state is None:
@@ -513,7 +514,7 @@ class SplitGeneration:
         answer_start = self.prompt_tokens if self.sampling.penalized and len(prompt) > self.prompt_tokens else None
         answer = self.remote.open(prompt, self.proposer.state_kind, self.fmt, budget, layers, self.fingerprint,
                                   self.sampling, have_state=sent, answer_start=answer_start, logprobs=self.sink.top)
-        self.session = answer["session"]
+        self.session = self._open_session = answer["session"]
         self.cached_tokens += int(answer.get("cached_tokens") or 0)  # servers before the prompt cache do not say
         self.carried_tokens += have if self.proposer.state_kind == "none" else sent  # no state travels for "none"
         self._take_state(answer, int(answer.get("state_start") or 0))  # from 0, what it holds is skipped
@@ -544,8 +545,15 @@ class SplitGeneration:
         message (as ``generate`` words it), before a session is asked for.
         """
         check_fits(len(prompt_ids), context)
+        self._open_session = None
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moaspec-verify") as self._pool:
-            return self._run(prompt_ids, config, context)
+            try:
+                return self._run(prompt_ids, config, context)
+            except BaseException:
+                # an error or Ctrl-C mid-answer: free the session's place on the server now, not when it expires
+                if self._open_session is not None:
+                    self.remote.close(self._open_session)
+                raise
 
     def _run(self, prompt_ids: Sequence[int], config: GenerationConfig, context: int) -> SplitResult:
         t0 = time.perf_counter()
@@ -627,6 +635,7 @@ class SplitGeneration:
             unverified = tail[: min(cut, budget - len(sink.tokens))]
             text += self.tokenizer.decode(unverified, skip_special_tokens=True)
         self.remote.close(self.session)
+        self._open_session = None
         self._previous = (self.tokens[: self.verified], self.proposer)
         finish = sink.finish or ("eos" if any(t in self.eos for t in self.tokens[self.verified:]) else "length")
         return SplitResult(
@@ -744,6 +753,8 @@ class SplitGeneration:
                     if exc.status not in (404, 409):
                         raise
                     # the session expired, or a lost answer advanced it: open a new one on the verified text
+                    if exc.status == 409:  # the old one is still alive on the server: free its place
+                        self.remote.close(self.session)
                     first, entries = self._open(self.tokens[: self.verified],
                                                 max(1, self.sink.budget - len(self.sink.tokens)), self.proposer.held())
                     agrees = chunk[0] == first

@@ -70,7 +70,7 @@ from moaspec.errors import MoaspecError
 from moaspec.heap import release_free_memory
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
-from moaspec.models.transformer import Call, ChunkCallback, ForwardOutput, tree_mask
+from moaspec.models.transformer import Call, ChunkCallback, tree_mask
 
 MAX_SUPPORT = 64  # most tokens in one draft's distribution (the client sends its top 32)
 
@@ -371,8 +371,8 @@ class SessionStore:
             nodes = torch.tensor([s.tokens[-1], *draft], dtype=torch.long)
             greedy, gen = s.sampling.greedy, s.generator
             if parents is None:
-                out = self._forward(Call(nodes[None].to(device), cache))
-                logits = adjust_rows(out.logits[0], s.sampling, s.counts, nodes.to(device))
+                raw, hidden = self._forward(Call(nodes[None].to(device), cache))
+                logits = adjust_rows(raw, s.sampling, s.counts, nodes.to(device))
                 drafts = nodes[1:].to(device)
                 if greedy:
                     verdict = verify_greedy(drafts, logits)
@@ -383,29 +383,33 @@ class SessionStore:
             else:
                 tree = DraftTree.from_parents(nodes.tolist(), [-1, *parents])
                 ancestors = tree.ancestors().to(device)
-                out = self._forward(Call(nodes[None].to(device), cache, start + tree.depths.to(device),
+                raw, hidden = self._forward(Call(nodes[None].to(device), cache, start + tree.depths.to(device),
                                          tree_mask(start, ancestors)))
-                logits = adjust_rows(out.logits[0], s.sampling, s.counts, tree.tokens.to(device), ancestors)
+                logits = adjust_rows(raw, s.sampling, s.counts, tree.tokens.to(device), ancestors)
                 scores = logits if greedy else probabilities(logits, s.sampling)
                 path, token = verify_tree(tree.tokens, tree.parents, scores, greedy, gen)
             kept = [0, *path]
             cache.compact(start, torch.tensor(kept))
             if self.prompt_cache is not None:
-                s.hidden.append(out.hidden[0, kept])
+                s.hidden.append(hidden[kept])
             new = [int(nodes[i]) for i in path] + [token]
             s.tokens += new
             count_tokens(s.counts, new)
             answer = {"accepted": len(path), "token": token, "verified": len(s.tokens),
                       **({"path": path} if parents is not None else {}),
-                      **self._state_of(s, start, cache.length, out.hidden[0, kept]), **s.scored(out.logits[0, kept], new)}
+                      **self._state_of(s, start, cache.length, hidden[kept]), **s.scored(raw[kept], new)}
             s.last = (key, answer)
             return answer
 
-    def _forward(self, call: Call) -> ForwardOutput:
-        """A verification's target forward: with the batcher, together with the others waiting."""
+    def _forward(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verification's target forward (with the batcher, together with the others waiting): the logits
+        ``[T, V]`` and final hidden states ``[T, d]`` of the call's tokens, every one of them."""
         if self.batcher is not None:
-            return self.batcher.forward(call)
-        return self.target.model(call.tokens, call.cache, call.positions, call.mask)
+            out = self.batcher.forward(call)
+        else:
+            out = self.target.model(call.tokens, call.cache, call.positions, call.mask)
+        assert out.logits is not None, "a forward gives every position's logits unless told otherwise"
+        return out.logits[0], out.hidden[0]
 
     def close(self, sid: str) -> None:
         with self._lock:

@@ -111,13 +111,13 @@ def _decode(
                 idx = torch.tensor(sel, device=dev)
                 nxt[idx] = select_tokens(logits[idx], params, generator)
         keep = []
-        for r, (row, tok) in enumerate(zip(alive, nxt.tolist())):
+        for r, (b, tok) in enumerate(zip(alive, nxt.tolist())):  # b: the row's place in the whole batch
             if tok in stop_ids:
-                status[row] = "stop"
+                status[b] = "stop"
                 continue
-            outputs[row].append(tok)
-            if len(outputs[row]) == budgets[row]:
-                status[row] = "budget"
+            outputs[b].append(tok)
+            if len(outputs[b]) == budgets[b]:
+                status[b] = "budget"
                 continue
             keep.append(r)
         if len(keep) < len(alive):

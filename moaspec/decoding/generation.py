@@ -170,6 +170,12 @@ class TokenSink:
     def done(self) -> bool:
         return self.finish is not None
 
+    @property
+    def finish_reason(self) -> str:
+        """Why the answer ended: "eos", "stop" or "length" (every decoder pushes until one holds)."""
+        assert self.finish is not None, "the answer has not ended"
+        return self.finish
+
     def _emit(self, text: str, drafted: bool) -> None:
         if text and self.on_logprobs and self.logprobs is not None:
             self.on_logprobs(self.logprobs[self._told:])

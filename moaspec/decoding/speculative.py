@@ -99,7 +99,7 @@ class Run:
         text = self.sink.close()
         self.prefill.keep(self.tokens[: self.cache.length], self.cache, self.hidden, self.resumable)
         return GenerationResult(
-            token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish, prompt_tokens=self.prompt_tokens,
+            token_ids=self.sink.tokens, text=text, finish_reason=self.sink.finish_reason, prompt_tokens=self.prompt_tokens,
             prefill_s=self.prefill_s, total_s=time.perf_counter() - self.t0, target_calls=len(self.accepted),
             accepted_lengths=self.accepted, draft_s=self.draft_s, reused_prompt_tokens=self.reused_prompt_tokens,
             logprobs=self.sink.logprobs, prompt_logprobs=self.scored,

@@ -47,7 +47,7 @@ def generate(
     text = sink.close()
     prefill.keep([*prompt_ids, *sink.tokens][: cache.length], cache, states)
     return GenerationResult(
-        token_ids=sink.tokens, text=text, finish_reason=sink.finish, prompt_tokens=len(prompt_ids),
+        token_ids=sink.tokens, text=text, finish_reason=sink.finish_reason, prompt_tokens=len(prompt_ids),
         prefill_s=o.prefill_s, total_s=time.perf_counter() - o.t0, target_calls=calls,
         accepted_lengths=[1] * calls, reused_prompt_tokens=o.reused, logprobs=sink.logprobs, prompt_logprobs=o.scored,
     )

@@ -108,6 +108,9 @@ class Drafter(nn.Module):
     """Base of the drafters: draft vocabulary, rotary tables, and the borrowed head."""
 
     cfg: DrafterConfig
+    draft_vocab: torch.Tensor | None  # buffers, registered in __init__
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()

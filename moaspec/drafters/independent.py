@@ -122,7 +122,9 @@ def to_hf_llama(drafter: IndependentDrafter) -> Any:
     c = drafter.cfg
     hf_cfg = LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.mlp, num_hidden_layers=c.layers,
-        num_attention_heads=c.heads, num_key_value_heads=c.kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+        num_attention_heads=c.heads, num_key_value_heads=c.kv_heads, head_dim=c.head_dim,
+        # transformers 4 reads rope_theta as it is, 5 moves it into rope_parameters (its stubs no longer name it)
+        rope_theta=c.rope_theta,  # type: ignore[call-arg]
         rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_positions, tie_word_embeddings=True,
     )
     state = {k: v.detach().float() for k, v in drafter.state_dict().items() if k.startswith("blocks.")}

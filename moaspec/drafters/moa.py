@@ -111,6 +111,8 @@ class MoAState:
 
 class MoADrafter(Drafter):
     cfg: MoAConfig
+    layer_cos: torch.Tensor  # buffers: LSA's rotary tables over layer indices
+    layer_sin: torch.Tensor
 
     def __init__(self, cfg: MoAConfig) -> None:
         super().__init__(cfg)

@@ -30,11 +30,12 @@ class DrafterProposer:
     """Chain and tree drafting; subclasses implement the hooks below.
 
     ``confidence`` (0: off) ends a chain early: a draft after the first is proposed only
-    while the drafter gives it at least that probability. The shipped drafter's
-    probability is close to the chance that the target accepts the draft, so this
-    skips verifying unlikely drafts; it pays only where a verified token costs more
-    than the extra drafting step the cut needs (not on this CPU: BENCHMARKS.md). The
-    length depends on the drafter alone, never on the target, so verification stays lossless.
+    while the drafter gives its likeliest token (the greedy draft) at least that probability.
+    The shipped drafter's probability is close to the chance that the target accepts the
+    draft, so this skips verifying unlikely drafts; it pays only where a verified token costs
+    more than the extra drafting step the cut needs (not on this CPU: BENCHMARKS.md). The
+    length depends on the drafter alone, never on the target, and is decided before a draft
+    is drawn, so verification stays lossless when sampling too.
     """
 
     drafter: Drafter
@@ -43,6 +44,8 @@ class DrafterProposer:
     def __init__(self) -> None:
         self.cache: KVCache | None = None  # the target's
         self._slots: list[int | None] = []
+        # a chain cut short by ``confidence`` has fed its last draft: (the drafter's length then, its output)
+        self._fed_last: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
 
     # --- hooks --------------------------------------------------------------------------
 
@@ -109,20 +112,25 @@ class DrafterProposer:
         d, cache = self.drafter, self.cache
         assert cache is not None, "call begin() first"
         verified = cache.length
-        logits, feat = self._catch_up(tokens)
+        logits, feat = self._continue(tokens)
         drafts: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []
         for i in range(n):
             if sampling.greedy:
                 best = logits[-1].argmax()
                 if i and self.confidence and float(logits[-1].float().softmax(-1)[best]) < self.confidence:
+                    self._fed_last = (self._own_length(), logits, feat)
                     break
                 tok = d.to_target_ids(best)
             else:
                 probs = self._full_vocab(warp_logits(logits[-1], sampling).softmax(-1))
-                tok = sample(probs, generator)
-                if i and self.confidence and float(probs[tok]) < self.confidence:
+                # decided before the draw, on the likeliest token as when greedy: a cut that depended on the
+                # token drawn would send the kept drafts from another distribution than ``probs``, the one
+                # verification divides by, and the output would no longer follow the target's
+                if i and self.confidence and float(probs.max()) < self.confidence:
+                    self._fed_last = (self._own_length(), logits, feat)
                     break
+                tok = sample(probs, generator)
                 dists.append(probs)
             drafts.append(tok.reshape(1))
             if i + 1 < n:
@@ -136,14 +144,14 @@ class DrafterProposer:
         assert cache is not None, "call begin() first"
         device = self.device
         n = cache.length  # verified tokens in the target's cache; the root sits at position n
-        logits, feat = self._catch_up(tokens)
+        logits, feat = self._continue(tokens)
         tok: list[int] = [tokens[-1]]
         parent: list[int] = [-1]
         depth: list[int] = [0]
         score: list[float] = [0.0]
         slot: dict[int, int] = {0: n}
         fed_anc = {0: [n]}  # node → slots of itself and its fed ancestors
-        out_feat = {0: feat[-1] if feat is not None else None}
+        out_feat = {} if feat is None else {0: feat[-1]}  # node → its output features (drafters that make them)
         expand = [0]
         for level in range(1, shape.depth + 1):
             logp = torch.log_softmax(logits.float(), dim=-1)
@@ -171,13 +179,12 @@ class DrafterProposer:
                 slot[node] = base + r
                 fed_anc[node] = fed_anc[parent[node]] + [base + r]
                 mask[r, fed_anc[node]] = True
-            parents_feat = None
-            if out_feat[0] is not None:
-                parents_feat = torch.stack([out_feat[parent[i]] for i in expand])[None]
+            parents_feat = torch.stack([out_feat[parent[i]] for i in expand])[None] if out_feat else None
             logits, feats = self._feed(torch.tensor([[tok[i] for i in expand]], device=device),
                                        torch.tensor([n + level] * k, device=device), mask, parents_feat, k)
-            for r, node in enumerate(expand):
-                out_feat[node] = feats[r] if feats is not None else None
+            if feats is not None:
+                for r, node in enumerate(expand):
+                    out_feat[node] = feats[r]
         # keep the best nodes; a child never outscores its parent, but guard ties by adding ancestors
         ranked = sorted(range(1, len(tok)), key=lambda i: -score[i])[: shape.total - 1]
         keep = set(ranked)
@@ -199,6 +206,15 @@ class DrafterProposer:
         assert self.cache is not None
         return self.cache.capacity
 
+    def _continue(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafter's output after ``tokens``: fed what it has not seen yet. A chain cut short fed its last
+        draft to decide against the next one, so a client drafting on after it before the verification comes
+        back (pipelining) finds nothing new to feed: that output is the one the cut kept."""
+        fed, self._fed_last = self._fed_last, None
+        if fed is not None and fed[0] == len(tokens) == self._own_length():
+            return fed[1], fed[2]
+        return self._catch_up(tokens)
+
     @staticmethod
     def _keep_accepted(own: KVCache, verified: int, keep_slots: list[int] | None) -> None:
         """Trim a token cache to the verified tokens: a chain's prefix, or a tree's accepted path compacted into place."""
@@ -216,13 +232,18 @@ class DrafterProposer:
         if path is not None:
             # fed nodes form a prefix of the path: a node is only fed if its parent was; nodes grafted
             # onto the tree after it was grown (prompt lookup's) come last and were never fed
+            root = self._slots[0]
+            assert root is not None, "the root always has a slot"
             fed = (self._slots[i] for i in path if i < len(self._slots))
-            keep = [self._slots[0]] + [s for s in fed if s is not None]
+            keep = [root] + [s for s in fed if s is not None]
+        self._fed_last = None
         self._rollback(verified, keep, hidden)
 
 
 class MoAProposer(DrafterProposer):
     """MoA: SA's cache holds token entries; the memory grows by LSA over newly verified tokens."""
+
+    drafter: MoADrafter
 
     def __init__(self, drafter: MoADrafter) -> None:
         super().__init__()
@@ -331,6 +352,8 @@ class OwnCacheProposer(DrafterProposer):
 class EagleProposer(OwnCacheProposer):
     """EAGLE: its cache holds entries made from true features; drafted entries are dropped after verification."""
 
+    drafter: EagleDrafter
+
     def __init__(self, drafter: EagleDrafter) -> None:
         super().__init__()
         self.drafter = drafter
@@ -367,6 +390,8 @@ class EagleProposer(OwnCacheProposer):
 
 class IndependentProposer(OwnCacheProposer):
     """Classic speculative decoding: the drafter's own cache holds every token; drafted entries are rolled back."""
+
+    drafter: IndependentDrafter
 
     def __init__(self, drafter: IndependentDrafter) -> None:
         super().__init__()

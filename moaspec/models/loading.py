@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -31,7 +32,7 @@ class LoadedModel:
     """A target ready to run: runtime, tokenizer, config, and where it came from."""
 
     model: Transformer
-    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase (whose stubs type decode() as str | list[str])
     cfg: ModelConfig
     path: Path
 
@@ -80,7 +81,7 @@ def usable_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     if dtype is None or dtype == "auto":
         return DEFAULT_DTYPE
     resolved = FLOAT_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if resolved not in FLOAT_DTYPES.values():
+    if resolved is None or resolved not in FLOAT_DTYPES.values():
         raise ModelLoadError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or its name), got {dtype!r}")
     return resolved
 
@@ -265,7 +266,7 @@ def fingerprint(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def load_tokenizer(path: Path) -> object:
+def load_tokenizer(path: Path) -> Any:
     """The tokenizer saved in ``path``.
 
     Directories this project wrote (a converted GGUF, a client bundle) name the exact class

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         B, T, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
         q, k = q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
@@ -189,6 +189,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    attn: Attention
+
     def __init__(self, cfg: ModelConfig, qkv_bias: bool = False) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
@@ -240,6 +242,8 @@ class Transformer(nn.Module):
     """A Llama/Qwen2/Qwen3/Mistral decoder with explicit positions, masks and cache control."""
 
     fingerprint: str = ""  # identity of the weights it was loaded from (set by the loader)
+    rope_cos: torch.Tensor  # buffers, registered in __init__
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, first_block: int = 0) -> None:
         """``first_block > 0`` holds only the last ``L - first_block`` blocks (``blocks[j]`` is block
@@ -406,7 +410,7 @@ class Transformer(nn.Module):
         """
         if self.first_block:
             raise ValueError("forward_many runs whole models, not the last blocks alone")
-        spans = []  # per call: its columns a..b of the joint batch, first position, cos/sin, and attention mask
+        spans: list[tuple[Any, ...]] = []  # per call: its columns a..b of the joint batch, first position, cos/sin, and attention mask
         for c in calls:
             B, T = c.tokens.shape
             start = c.cache.length
@@ -419,7 +423,7 @@ class Transformer(nn.Module):
             a = spans[-1][1] if spans else 0
             spans.append((a, a + T, start, *self.rope(pos), mask))
         h = self.embed(torch.cat([c.tokens for c in calls], dim=1))
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(cast(Sequence[Block], self.blocks)):
             h = block.around(h, partial(_attend_each, block.attn, i, calls, spans))
         hidden = self.final_norm(h)
         pieces = [hidden[:, a:b] for a, b, *_ in spans]

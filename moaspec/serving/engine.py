@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -62,7 +62,9 @@ class Engine:
         if parallel < 1 or max_queue < 0:
             raise MoaspecError("parallel must be >= 1 and max_queue >= 0")
         self.target = target
-        self._runs_on = target if batcher is None else replace(target, model=BatchedModel(target.model, batcher))
+        # a BatchedModel stands in for the Transformer: it forwards every attribute, and batches its forwards
+        self._runs_on = target if batcher is None else replace(
+            target, model=BatchedModel(target.model, batcher))  # type: ignore[arg-type]
         self.strategy = strategy
         self.prompt_cache = prompt_cache  # the prompts recently read, for the next turns of their conversations
         self.cores = cores
@@ -94,7 +96,8 @@ class Engine:
         with self._lock:
             self._admitted -= 1
 
-    async def stream(self, prompt_ids: Sequence[int], config: GenerationConfig) -> AsyncIterator[Piece | GenerationResult]:
+    async def stream(self, prompt_ids: Sequence[int], config: GenerationConfig
+                     ) -> AsyncGenerator[Piece | GenerationResult, None]:
         """Yield text pieces as they are verified, then the :class:`GenerationResult`.
 
         Raises :class:`Overloaded` before anything is yielded when the server is full.
@@ -105,7 +108,7 @@ class Engine:
                 yield item
 
     async def streams(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig]
-                      ) -> AsyncIterator[tuple[int, Piece | GenerationResult]]:
+                      ) -> AsyncGenerator[tuple[int, Piece | GenerationResult], None]:
         """Generate one answer per prompt and config (a request's prompts and ``n`` choices), each in its own slot.
 
         Yields ``(i, item)`` as :meth:`stream` yields items, the choices' pieces interleaved as they come;

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Annotated, Any, Literal
@@ -238,7 +238,7 @@ class OpenAIRoutes:
         """The request's prompts (one, or a batch) as token ids, each with its text (what ``echo`` repeats)."""
         vocab, tokenizer = self.engine.target.cfg.vocab_size, self.engine.target.tokenizer
         raw = req.prompt
-        items: list[str | list[int]] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw  # type: ignore[list-item, assignment]
+        items: list[str | list[int]] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw  # type: ignore[assignment]
         if not items:
             raise APIError(400, "the prompt is empty", param="prompt")
         prompts = []
@@ -322,7 +322,7 @@ class OpenAIRoutes:
                              "moaspec": _stats(results, pieces, self.engine.strategy.describe())})
 
     @staticmethod
-    async def _collect(stream: AsyncIterator[tuple[int, Piece | GenerationResult]], n: int
+    async def _collect(stream: AsyncGenerator[tuple[int, Piece | GenerationResult], None], n: int
                        ) -> tuple[list[GenerationResult], list[Piece]]:
         """Run to the end: each choice's result, and the pieces of text on the way."""
         results: dict[int, GenerationResult] = {}
@@ -338,7 +338,7 @@ class OpenAIRoutes:
         return [results[i] for i in range(n)], pieces
 
     async def _events(self, head: dict[str, Any], first: tuple[int, Piece | GenerationResult],
-                      stream: AsyncIterator[tuple[int, Piece | GenerationResult]], chat: bool, req: _Common,
+                      stream: AsyncGenerator[tuple[int, Piece | GenerationResult], None], chat: bool, req: _Common,
                       formats: list[LogprobFormat | None], echo: list[str] | None) -> AsyncIterator[bytes]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         told = [0] * len(formats)  # log-probability entries sent so far, per choice

@@ -45,4 +45,4 @@ def compile_training_forward(drafter: Drafter) -> None:
                   "without compiling", file=sys.stderr)
             return out
 
-    drafter.forward = forward  # type: ignore[method-assign]
+    drafter.forward = forward

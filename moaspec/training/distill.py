@@ -9,7 +9,7 @@ masks that imitate inference; the loss compares the two on response positions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,17 +120,16 @@ def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, mask
     sel = masks.loss.to(device)
     if isinstance(drafter, EagleDrafter):
         pred = (wrapped or drafter)(batch.tokens.to(device), tgt.final)
-        N = 0
     elif isinstance(drafter, IndependentDrafter):
         pred = (wrapped or drafter)(batch.tokens.to(device))
-        N = 0
     else:
         assert isinstance(drafter, MoADrafter)
         pred = (wrapped or drafter)(batch.tokens.to(device), tgt.token_kv, tgt.final,
                                     masks.sa.to(device), masks.ca.to(device))
-        N = drafter.cfg.tli_layers
+    N = drafter.cfg.tli_layers if isinstance(drafter, MoADrafter) else 0
     if not N:
         return [pred[sel]], [tgt.final[sel]]
+    assert isinstance(drafter, MoADrafter) and tgt.layer is not None
     B, S = batch.tokens.shape
     L = target.cfg.num_layers
     H, D = target.cfg.num_kv_heads, target.cfg.head_dim
@@ -140,7 +139,8 @@ def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, mask
     return [final[sel], pred[sel]], [tgt.final[sel], tgt.layer[sel]]
 
 
-def acceptance_by_offset(draft_logits: torch.Tensor, target_full_argmax: torch.Tensor, to_target_ids, masks: Masks,
+def acceptance_by_offset(draft_logits: torch.Tensor, target_full_argmax: torch.Tensor,
+                         to_target_ids: Callable[[torch.Tensor], torch.Tensor], masks: Masks,
                          depth: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced chain acceptance: per segment, how many leading drafts (up to ``depth``) match the target.
 

@@ -137,13 +137,13 @@ class FeatureStore:
             fresh = target_pass(self.target, tokens[missing].to(device), self.tli_layers)
             for j, b in enumerate(missing):
                 n = int(lengths[b])
-                row = {"kv": fresh.token_kv[j, :n].half(), "final": fresh.final[j, :n].half()}
+                made = {"kv": fresh.token_kv[j, :n].half(), "final": fresh.final[j, :n].half()}
                 if fresh.layer is not None:
-                    row["layer"] = fresh.layer[j, :n].half()
-                cached[b] = row
+                    made["layer"] = fresh.layer[j, :n].half()
+                cached[b] = made
                 path = files[b]
                 if path is not None and self.caching:  # atomic_write makes the directory
-                    self._keep(path, row)
+                    self._keep(path, made)
         L, W = self.target.cfg.num_layers, 2 * self.target.cfg.kv_dim
         d = self.target.cfg.hidden_size
         kv = torch.zeros(B, S, L, W, device=device)

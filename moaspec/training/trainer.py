@@ -275,7 +275,7 @@ class Trainer:
                 raise MoaspecError(f"--init-from {path}: {e}") from e
         return drafter.requires_grad_(True)  # fp32 already: loaded so, and adapted() keeps the dtype
 
-    def _reference_data(self, target: LoadedModel, run: Path) -> tuple[dict[int, int], torch.Tensor | None]:
+    def _reference_data(self, target: LoadedModel, run: Path) -> tuple[dict[int, list[int]], torch.Tensor | None]:
         """The shards each epoch of ``run`` used, and its draft vocabulary.
 
         Batch order is a pure function of (examples, seed, epoch), so with the same seed,
@@ -341,9 +341,9 @@ class Trainer:
                                       f"({type(exc).__name__}: {brief(exc, 160)})") from None
         self.step, self.tokens, self.wall = saved["step"], saved["tokens"], saved["wall_s"]
         self.epoch_shards = shard_counts(saved.get("epoch_shards", {}))
-        before = saved.get("mixed_precision")  # what "auto" meant where the run began (runs since 2026-12-04 say)
-        if before not in (None, self.acc.mixed_precision) and self.acc.is_main_process:
-            print(f"moaspec train: {self.out} ran its first {self.step} updates with mixed precision {before!r}; "
+        began = saved.get("mixed_precision")  # what "auto" meant where the run began (runs since 2026-12-04 say)
+        if began not in (None, self.acc.mixed_precision) and self.acc.is_main_process:
+            print(f"moaspec train: {self.out} ran its first {self.step} updates with mixed precision {began!r}; "
                   f"--mixed-precision {self.cfg.mixed_precision} means {self.acc.mixed_precision!r} on this machine, "
                   "so the updates from here on are rounded differently (the resume is not bit-exact)", file=sys.stderr)
 
@@ -503,7 +503,7 @@ class Trainer:
             # masks depend only on (seed, process, step), so a resumed run draws the same ones
             gen.manual_seed(cfg.seed * 1_000_003 + self.acc.process_index * 10_007 + self.step)
             parts = {"loss": 0.0, "kl": 0.0, "feature": 0.0}
-            step_tokens = 0
+            step_tokens = 0.0
             for _ in range(cfg.grad_accum):
                 with self.acc.accumulate(self.model):
                     loss, info = self.micro_batch(next(stream), gen)
@@ -542,7 +542,7 @@ class Trainer:
         return self.summary(final=self.step == cfg.steps)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float | None]:
         """Held-out loss, top-1 agreement with the target's greedy token, and chain acceptance (MoA).
 
         ``val_tau_chain6`` counts leading accepted drafts from the starts of the random
