@@ -7,7 +7,8 @@ layer's K/V and the Cross-Attention memory entries; EAGLE has none) and ``step``
 level: a draft forward and its head). Medians per call, since ``observe`` also takes in each
 prompt whole (in prefill, outside ``draft_s``). Greedy, the default tree, first turns of SpecBench;
 the drafters run one after the other on the same prompts, after a short warm-up each, once per
-weight dtype in ``--dtypes`` (fp32 and bf16 by default: the precision a drafter drafts in is
+precision in ``--dtypes``, named as ``--drafter-dtype`` names them (by default "int8", what drafters
+use on CPUs with bf16 kernels, then "float32" and "bfloat16"; the precision a drafter drafts in is
 independent of the target's, see ``drafting_precision``).
 
     .venv/bin/python benchmarks/draft_cost.py --threads 1 --per-file 2 --max-new-tokens 128
@@ -20,8 +21,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 import specbench_script  # beside this script
 from moaspec.chat import chat_messages, encode_chat
@@ -54,9 +53,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--compare", default=None,
                     help="a second drafter directory (default: the shipped EAGLE drafter beside the shipped MoA one)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="the drafters' weight dtypes, each run in turn")
+    ap.add_argument("--dtypes", default="int8,float32,bfloat16",
+                    help="the drafters' precisions (--drafter-dtype's names), each run in turn")
     args = ap.parse_args()
-    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    dtypes = args.dtypes.split(",")
     lm, first = specbench_script.target_and_drafter_path(args)
     second = args.compare or shipped_drafter(lm, "eagle")
     if second is None:
@@ -76,7 +76,7 @@ def main() -> None:
         for name, seconds in totals.items():
             row[f"{name}_calls_per_cycle"] = round(len(seconds) / cycles, 2)
             row[f"{name}_median_ms_per_call"] = round(1e3 * statistics.median(seconds), 2)
-        name = f"{path} {str(dtype).removeprefix('torch.')}"
+        name = f"{path} {dtype}"
         results[name] = row
         print(name)
         for key, value in row.items():
