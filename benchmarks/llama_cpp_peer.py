@@ -1,0 +1,150 @@
+"""This project's decoding against llama.cpp on the same GGUF file, interleaved per prompt in one run.
+
+llama.cpp is what a CPU user compares against (DESIGN-FACTS §6): it runs the default target's
+Q4_1 file with 4-bit kernels, where this runtime dequantises it to fp32 once and streams eight
+times the bytes per step. Methods, each greedy, same prompts (the first turn of the first K
+questions of every SpecBench file, in the target's chat template), same thread count:
+
+- ``plain``: this runtime's plain decoding (fp32);
+- ``moa-tree``: the shipped MoA drafter's tree alone (depth 2, top-2, 4 nodes; no prompt lookup);
+- ``default``: the main job's decoding (prompt lookup, then MoA chains of 2);
+- ``llama.cpp``: llama-cpp-python's plain decoding of the same GGUF file (its own kernels);
+- ``llama.cpp-pld``: the same with llama-cpp-python's prompt-lookup drafter (10 tokens).
+
+Each prompt runs every method back to back, in an order rotated per prompt, after one warm-up
+each, so machine noise hits all alike; tokens/s = new tokens / wall time (prefill included), the
+figures that compare are the ratios. llama.cpp's greedy text is not this runtime's (4-bit products
+in another order round otherwise), so the script reports how many tokens each answer shares with
+``plain`` before they part, and, as a check, whether this runtime's methods equal ``plain`` exactly.
+
+llama-cpp-python is not a dependency of the project (it compiles llama.cpp, ~15 minutes here):
+
+    .venv/bin/pip install llama-cpp-python==0.3.36
+    .venv/bin/python benchmarks/llama_cpp_peer.py --per-file 5 --max-new-tokens 128 --threads 2
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import specbench_script  # beside this script
+from moaspec.api import decoding_strategy
+from moaspec.chat import chat_messages, encode_chat
+from moaspec.decoding import GenerationConfig
+from moaspec.decoding.opening import stop_token_ids
+from moaspec.decoding.tree import TreeShape
+from moaspec.models.sources import default_gguf_path
+
+Run = Callable[[list[int], int], tuple[list[int], float]]  # (prompt ids, max new tokens) -> (new ids, seconds)
+
+
+def llama_cpp_runner(threads: int, context: int, lookup: int, stops: set[int]) -> Run:
+    """Greedy decoding by llama-cpp-python on the default GGUF file, ``lookup`` > 0 with its prompt-lookup
+    drafter, ending at the tokens this runtime stops at; each call starts from an empty cache
+    (llama-cpp-python would otherwise reuse a shared prefix)."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        raise SystemExit("llama-cpp-python is not installed: .venv/bin/pip install llama-cpp-python==0.3.36") from None
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
+    # with a draft model llama-cpp-python keeps every position's logits but sizes their buffer by logits_all
+    # alone (0.3.36): without it a prompt longer than n_batch overflows the buffer
+    llm = Llama(model_path=str(default_gguf_path()), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, logits_all=draft is not None, draft_model=draft, verbose=False)
+
+    def run(prompt: list[int], max_new: int) -> tuple[list[int], float]:
+        llm.reset()
+        out: list[int] = []
+        t0 = time.perf_counter()
+        for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            if token in stops:
+                break
+            out.append(token)
+            if len(out) == max_new:
+                break
+        return out, time.perf_counter() - t0
+
+    return run
+
+
+def moaspec_runner(lm: Any, strategy: Any, stops: set[int]) -> Run:
+    """Greedy decoding by this runtime with ``strategy`` (plain when it has no drafter)."""
+
+    def run(prompt: list[int], max_new: int) -> tuple[list[int], float]:
+        result = strategy.run(lm, prompt, GenerationConfig(max_new_tokens=max_new))
+        ids = [t for t in result.token_ids if t not in stops]
+        return ids, result.total_s
+
+    return run
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> None:
+    ap = specbench_script.parser(__doc__, per_file=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--lookup", type=int, default=10, help="llama.cpp-pld's drafted tokens per step")
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds to wait, untimed, before each method (threads still spinning from the last one)")
+    args = ap.parse_args()
+    lm, drafter = specbench_script.target_and_drafter_path(args)
+    stops = stop_token_ids(lm.model, lm.tokenizer)
+    prompts = [(q, encode_chat(lm.tokenizer, chat_messages(q.turns[0]))) for q in specbench_script.questions(args)]
+    context = max(len(ids) for _, ids in prompts) + args.max_new_tokens + 16
+    methods: dict[str, Run] = {
+        "plain": moaspec_runner(lm, decoding_strategy(lm, None), stops),
+        "moa-tree": moaspec_runner(lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0), stops),
+        "default": moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops),
+        "llama.cpp": llama_cpp_runner(args.threads, context, 0, stops),
+        "llama.cpp-pld": llama_cpp_runner(args.threads, context, args.lookup, stops),
+    }
+    for run in methods.values():  # warm-up
+        run(prompts[0][1], 16)
+    names = list(methods)
+    tokens: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # method -> category -> new tokens
+    seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    agree: dict[str, list[int]] = defaultdict(list)  # tokens each answer shares with plain's before they part
+    identical: dict[str, int] = defaultdict(int)
+    rows = []
+    for i, (q, ids) in enumerate(prompts):
+        answers, rates = {}, {}
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            time.sleep(args.pause)
+            out, dt = methods[name](ids, args.max_new_tokens)
+            answers[name], rates[name] = out, len(out) / dt
+            for key in (q.category, "overall"):
+                tokens[name][key] += len(out)
+                seconds[name][key] += dt
+            rows.append({"question": f"{q.category}/{q.question_id}", "method": name, "new_tokens": len(out),
+                         "wall_s": round(dt, 4)})
+        for name, out in answers.items():
+            agree[name].append(shared_prefix(out, answers["plain"]))
+            identical[name] += out == answers["plain"]
+        print(f"{q.category}/{q.question_id}: " + ", ".join(f"{n} {rates[n]:.1f}" for n in names) + " tok/s", flush=True)
+    categories = sorted({q.category for q, _ in prompts}) + ["overall"]
+    rate = {n: {c: tokens[n][c] / seconds[n][c] for c in categories} for n in names}
+    print(f"\n{'method':<15}" + "".join(f"{c:>10}" for c in categories) + f"{'vs plain':>10}{'vs llama.cpp':>14}"
+          f"{'same as plain':>15}{'median shared':>15}")
+    for n in names:
+        print(f"{n:<15}" + "".join(f"{rate[n][c]:>10.1f}" for c in categories)
+              + f"{rate[n]['overall'] / rate['plain']['overall']:>10.2f}"
+              + f"{rate[n]['overall'] / rate['llama.cpp']['overall']:>14.2f}"
+              + f"{identical[n]:>9} / {len(prompts):<3}{statistics.median(agree[n]):>15.0f}")
+    specbench_script.write_results(
+        args, tokens_per_s=rate, same_as_plain=dict(identical), shared_with_plain=dict(agree), runs=rows)
+
+
+if __name__ == "__main__":
+    main()
