@@ -36,16 +36,16 @@ from moaspec.api import decoding_strategy
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.opening import stop_token_ids
+from moaspec.decoding.prefill import common_prefix
 from moaspec.decoding.tree import TreeShape
 from moaspec.models.sources import default_gguf_path
 
 Run = Callable[[list[int], int], tuple[list[int], float]]  # (prompt ids, max new tokens) -> (new ids, seconds)
 
 
-def llama_cpp_runner(threads: int, context: int, lookup: int, stops: set[int]) -> Run:
-    """Greedy decoding by llama-cpp-python on the default GGUF file, ``lookup`` > 0 with its prompt-lookup
-    drafter, ending at the tokens this runtime stops at; each call starts from an empty cache
-    (llama-cpp-python would otherwise reuse a shared prefix)."""
+def load_llama(threads: int, context: int, logits_all: bool = False, lookup: int = 0) -> Any:
+    """llama-cpp-python's model of the default GGUF file, with its prompt-lookup drafter of ``lookup`` tokens
+    when > 0 (also used by ``llama_cpp_rows.py``), or an exit that says how to install it."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -54,8 +54,15 @@ def llama_cpp_runner(threads: int, context: int, lookup: int, stops: set[int]) -
     draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
     # with a draft model llama-cpp-python keeps every position's logits but sizes their buffer by logits_all
     # alone (0.3.36): without it a prompt longer than n_batch overflows the buffer
-    llm = Llama(model_path=str(default_gguf_path()), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, logits_all=draft is not None, draft_model=draft, verbose=False)
+    return Llama(model_path=str(default_gguf_path()), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                 n_batch=512, logits_all=logits_all or draft is not None, draft_model=draft, verbose=False)
+
+
+def llama_cpp_runner(threads: int, context: int, lookup: int, stops: set[int]) -> Run:
+    """Greedy decoding by llama-cpp-python on the default GGUF file, ``lookup`` > 0 with its prompt-lookup
+    drafter, ending at the tokens this runtime stops at; each call starts from an empty cache
+    (llama-cpp-python would otherwise reuse a shared prefix)."""
+    llm = load_llama(threads, context, lookup=lookup)
 
     def run(prompt: list[int], max_new: int) -> tuple[list[int], float]:
         llm.reset()
@@ -81,15 +88,6 @@ def moaspec_runner(lm: Any, strategy: Any, stops: set[int]) -> Run:
         return ids, result.total_s
 
     return run
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:
@@ -130,7 +128,7 @@ def main() -> None:
             rows.append({"question": f"{q.category}/{q.question_id}", "method": name, "new_tokens": len(out),
                          "wall_s": round(dt, 4)})
         for name, out in answers.items():
-            agree[name].append(shared_prefix(out, answers["plain"]))
+            agree[name].append(common_prefix(out, answers["plain"]))
             identical[name] += out == answers["plain"]
         print(f"{q.category}/{q.question_id}: " + ", ".join(f"{n} {rates[n]:.1f}" for n in names) + " tok/s", flush=True)
     categories = sorted({q.category for q, _ in prompts}) + ["overall"]

@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from moaspec.models.sources import default_gguf_path
+from llama_cpp_peer import load_llama  # beside this script
 
 
 def main() -> None:
@@ -29,12 +29,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        raise SystemExit("llama-cpp-python is not installed: .venv/bin/pip install llama-cpp-python==0.3.36") from None
-    llm = Llama(model_path=str(default_gguf_path()), n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads,
-                n_batch=512, logits_all=True, verbose=False)
+    llm = load_llama(args.threads, 1024, logits_all=True)
     vocab = llm.n_vocab()
     rng = np.random.default_rng(args.seed)
     equal = {k: [0, 0] for k in range(2, args.max_batch + 1)}  # batch size -> [rows bitwise equal, rows]
@@ -54,11 +49,11 @@ def main() -> None:
             llm.eval(context)
             llm.eval(tokens[:k])
             batch = np.array(llm.scores[len(context) : len(context) + k])
-            same = [(batch[i] == single[i]).all() for i in range(k)]
-            equal[k][0] += int(sum(same))
+            alone = np.stack(single[:k])
+            equal[k][0] += int((batch == alone).all(-1).sum())
             equal[k][1] += k
-            worst[k] = max(worst[k], float(np.abs(batch - np.stack(single[:k])).max()))
-            argmax_agrees[k] &= bool((batch.argmax(-1) == np.stack(single[:k]).argmax(-1)).all())
+            worst[k] = max(worst[k], float(np.abs(batch - alone).max()))
+            argmax_agrees[k] &= bool((batch.argmax(-1) == alone.argmax(-1)).all())
     print(f"{'batch':>5}{'rows bitwise equal':>20}{'largest difference':>20}{'argmax agrees':>15}")
     for k, (same, rows) in equal.items():
         print(f"{k:>5}{f'{same} / {rows}':>20}{worst[k]:>20.3g}{'yes' if argmax_agrees[k] else 'NO':>15}")
