@@ -1,12 +1,14 @@
 """Cost of one target forward by number of new tokens, for each way of running its linears, in one run.
 
 This is the curve that decides chain lengths and tree budgets: how much more a
-verification of T tokens costs than a single decoding step. "measured" is the runtime's
-default (per small row count, the kernel this process measured fastest at load); the
-other columns force one kernel for every small product: oneDNN's prepacked
-weights ("packed"), the same on rows zero-padded to ``PAD_ROWS`` ("padded", below
-``PAD_ROWS`` tokens only) and MKL's ``F.linear`` ("plain", which then also runs the larger
-products). The settings alternate within each repeat, so machine noise hits all alike.
+verification of T tokens costs than a single decoding step. For a GGUF target "blocks" is the
+runtime's default: the file's 4-bit blocks through the compiled kernel (products of up to
+``BLOCK_MAX_ROWS`` rows). "measured" runs the dequantised fp32 weights as a model directory
+does (per small row count, the kernel this process measured fastest at load); the other columns
+force one fp32 kernel for every small product: oneDNN's prepacked weights ("packed"), the same
+on rows zero-padded to ``PAD_ROWS`` ("padded", below ``PAD_ROWS`` tokens only) and MKL's
+``F.linear`` ("plain", which then also runs the larger products). The settings alternate within
+each repeat, so machine noise hits all alike.
 
     .venv/bin/python benchmarks/forward_cost.py --context 200
 """
@@ -23,6 +25,7 @@ import torch
 from moaspec.models import load_model
 from moaspec.models.packed_linear import (
     PAD_ROWS,
+    Linear,
     SmallRowKernels,
     pack_linears,
     set_small_row_kernels,
@@ -53,13 +56,16 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     cache = model.new_cache(args.context + max(sizes))
     model(prefix, cache)
-    names = ["measured", "packed", "padded", "plain"]
-    print(f"{'new tokens':>10}" + "".join(f"{n + ' ms':>13}" for n in names) + f"{'measured vs T=1':>17}")
+    blocks = {m: m.blocks for m in model.modules() if isinstance(m, Linear) and m.blocks is not None}
+    names = (["blocks"] if blocks else []) + ["measured", "packed", "padded", "plain"]
+    print(f"{'new tokens':>10}" + "".join(f"{n + ' ms':>13}" for n in names) + f"{names[0] + ' vs T=1':>17}")
     base = None
     for T in sizes:
         toks = torch.randint(0, model.cfg.vocab_size, (1, T), generator=gen)
-        settings = {"measured": measured, "packed": SmallRowKernels.uniform("packed"),
+        settings = {"blocks": measured, "measured": measured, "packed": SmallRowKernels.uniform("packed"),
                     "padded": SmallRowKernels.uniform("padded"), "plain": None}
+        if not blocks:
+            del settings["blocks"]
         if T >= PAD_ROWS:
             del settings["padded"]
         times: dict[str, list[float]] = {n: [] for n in settings}
@@ -72,15 +78,19 @@ def main() -> None:
             for name, kernels in settings.items():
                 pack_linears(model, enable=kernels is not None)
                 set_small_row_kernels(kernels or measured)
+                for linear, b in blocks.items():
+                    linear.blocks = b if name == "blocks" else None
                 ms = elapsed_ms(step)
                 if rep:
                     times[name].append(ms)
         pack_linears(model)
         set_small_row_kernels(measured)
+        for linear, b in blocks.items():
+            linear.blocks = b
         res = {n: statistics.median(ts) for n, ts in times.items()}
-        base = base or res["measured"]
+        base = base or res[names[0]]
         print(f"{T:>10}" + "".join(f"{res[n]:>13.1f}" if n in res else f"{'-':>13}" for n in names)
-              + f"{res['measured'] / base:>17.2f}")
+              + f"{res[names[0]] / base:>17.2f}")
 
 
 if __name__ == "__main__":

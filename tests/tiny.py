@@ -76,12 +76,15 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, vocab_size
 
 
 
-def make_tiny_gguf(source: Path, out: Path) -> Path:
+def make_tiny_gguf(source: Path, out: Path, quantise: dict[str, str] | None = None) -> Path:
     """Write the tiny HF model at ``source`` (a Qwen2 or Qwen3 one) as a GGUF file, as llama.cpp names its tensors
-    and keys, with its tokenizer (byte-level BPE: tokens, merges) and chat template; return ``out``."""
+    and keys, with its tokenizer (byte-level BPE: tokens, merges) and chat template; return ``out``.
+
+    ``quantise`` maps GGUF tensor-name fragments to a ggml block type ("Q4_1", ...): matrices whose name holds
+    the fragment are stored in it (with gguf's own quantiser), the rest as fp32."""
     import json
 
-    from gguf import GGUFWriter, TokenType
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
@@ -111,8 +114,15 @@ def make_tiny_gguf(source: Path, out: Path) -> Path:
     writer.add_eos_token_id(cfg.eos_token_id)
     writer.add_chat_template(CHAT_TEMPLATE)
     for gguf_name, hf_name in get_gguf_hf_weights_map(hf, TensorProcessor()).items():
-        if hf_name in state:
-            writer.add_tensor(gguf_name, state[hf_name].numpy())
+        if hf_name not in state:
+            continue
+        array = state[hf_name].numpy()
+        kind = next((k for part, k in (quantise or {}).items() if part in gguf_name), None) if array.ndim == 2 else None
+        if kind is None:
+            writer.add_tensor(gguf_name, array)
+        else:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -291,6 +291,16 @@ def load_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {brief(exc)}") from None
 
 
+def converted_from(path: Path) -> Path | None:
+    """The GGUF file a model directory was converted from (:func:`~moaspec.models.sources.convert_gguf`), if it
+    still exists."""
+    try:
+        gguf = Path(json.loads((path / "moaspec-source.json").read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return gguf if gguf.is_file() else None
+
+
 def load_model_dir(
     path: Path, device: torch.device | str | None = None, dtype: torch.dtype | str | None = None,
     with_tokenizer: bool = True,
@@ -306,5 +316,10 @@ def load_model_dir(
     device = usable_device(device)
     dtype = usable_dtype(dtype)
     model = build_transformer(cfg, read_hf_state_dict(path), device, dtype)
+    gguf = converted_from(path)
+    if gguf is not None:
+        from moaspec.models.gguf_blocks import attach_gguf_blocks
+
+        attach_gguf_blocks(model, path, gguf)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     return LoadedModel(model=model, tokenizer=tokenizer, cfg=cfg, path=path)

@@ -36,6 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moaspec.models.block_kernel import BlockWeights
+from moaspec.models.block_kernel import product as block_product
+
 Kernel = Literal["plain", "packed", "padded"]
 KERNELS: tuple[Kernel, ...] = ("plain", "packed", "padded")
 PAD_ROWS = 4
@@ -126,11 +129,18 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.to(weight.dtype)
 
 
+BLOCK_MAX_ROWS = 64  # products of up to this many rows read a GGUF target's blocks: every decoding step and
+# verification (trees of 62 drafts included), so that plain and speculative decoding score each token with the same
+# kernel; prefill's larger products keep oneDNN's packed fp32 weights, about twice as fast there
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` plus an optional inference-only copy of its weight: prepacked for oneDNN, or int8."""
+    """``nn.Linear`` plus optional inference-only copies of its weight: prepacked for oneDNN, int8, or a GGUF
+    file's own blocks (:mod:`moaspec.models.gguf_blocks`)."""
 
     packed: torch.Tensor | None = None
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights, per-row scales), see int8_rows
+    blocks: BlockWeights | None = None
 
     def pack(self) -> None:
         """Prepack the current weight; call again after the weight changes."""
@@ -149,11 +159,15 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # activations of the weight's dtype only: under CPU autocast (bf16) F.linear casts as autocast wants
-        if ((self.packed is None and self.int8 is None) or x.dtype != self.weight.dtype
+        if ((self.packed is None and self.int8 is None and self.blocks is None) or x.dtype != self.weight.dtype
                 or torch.is_autocast_enabled(x.device.type)
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
+        if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
+            y = block_product(x.reshape(rows, self.in_features).contiguous(), self.blocks)
+            y = y if self.bias is None else y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.int8 is not None and rows <= INT8_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features).contiguous(), *self.int8)
             y = y if self.bias is None else y + self.bias

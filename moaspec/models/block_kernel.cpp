@@ -1,0 +1,192 @@
+// Products of fp32 activations with GGUF-style block-quantised weights, in fp32 arithmetic.
+//
+// Weights stay packed as blocks of 32 along the input dimension: 4-bit codes (Q4_0, Q4_1) or 8-bit
+// ones (Q8_0), each block with an fp32 scale d and offset m. Every weight is rebuilt in registers as
+// fma(q, d, m), which is exactly the fp32 dequantisation d*q + m (d*q needs at most 19 significant bits,
+// so it is exact and the one rounding is the sum's), and multiplied with fp32 activations into fp32
+// accumulators. Nothing is rounded to 8 or 16 bits: results differ from a product with the dequantised
+// fp32 matrix only by the order of the fp32 sums.
+//
+// Every output y[m, n] is one 8-lane accumulator over the input in a fixed order, reduced in a fixed
+// tree, whatever the number of rows m or the thread that computes it. So a row's result is bitwise the
+// same in a product of 1 row or of 64, which lossless speculative decoding needs: a verification of k
+// tokens must score each token exactly as a step of plain decoding does.
+//
+// Two loops compute that same arithmetic. One row (a decoding step): weight rows 4 at a time, each
+// block decoded in registers and used at once, 4 independent accumulators. Several rows (a
+// verification): 4 weight rows decoded once into a small buffer that stays in L1, then 3 x 4 tiles of
+// (activation row, weight row) accumulators read it, so the decoding is paid once for every row.
+// Threads split the weight rows through ATen's own pool (at::parallel_for), never torch's other work.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowsAtOnce = 4;    // weight rows decoded together
+constexpr int64_t kActTile = 3;       // activation rows per tile of the several-row loop
+
+// The 32 weights of one block as four 8-lane vectors, exactly fma(q, d, m).
+template <int Bits>
+inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    if constexpr (Bits == 4) {  // ggml's order: low nibbles are elements 0..15, high nibbles 16..31
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(bytes, mask);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm);
+    } else {  // signed 8-bit codes, in order
+        for (int j = 0; j < 4; ++j) {
+            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
+            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd, vm);
+        }
+    }
+}
+
+// The fixed reduction of an 8-lane accumulator: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
+inline float reduce(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+template <int Bits>
+constexpr int64_t block_bytes() { return Bits == 4 ? kBlock / 2 : kBlock; }
+
+// y[0, n0:n1] for one activation row: weight rows in fours, each block decoded and used at once.
+template <int Bits>
+void one_row(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+             int64_t K, int64_t n0, int64_t n1) {
+    const int64_t blocks = K / kBlock, qrow = blocks * block_bytes<Bits>();
+    int64_t n = n0;
+    for (; n + kRowsAtOnce <= n1; n += kRowsAtOnce) {
+        __m256 acc[kRowsAtOnce] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* xb = x + b * kBlock;
+            for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+                const int64_t row = n + r;
+                __m256 w[4];
+                decode_block<Bits>(q + row * qrow + b * block_bytes<Bits>(), d[row * blocks + b], m[row * blocks + b], w);
+                for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r]);
+            }
+        }
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) y[n + r] = reduce(acc[r]);
+    }
+    for (; n < n1; ++n) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            __m256 w[4];
+            decode_block<Bits>(q + n * qrow + b * block_bytes<Bits>(), d[n * blocks + b], m[n * blocks + b], w);
+            for (int j = 0; j < 4; ++j) acc = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + b * kBlock + 8 * j), acc);
+        }
+        y[n] = reduce(acc);
+    }
+}
+
+// y[:, n0:n1] for M activation rows: weight rows decoded in fours into `buf` (4 x K floats), then tiles of
+// kActTile activation rows x 4 weight rows, each (row, weight row) one accumulator as in one_row.
+template <int Bits>
+void many_rows(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+               int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t blocks = K / kBlock, qrow = blocks * block_bytes<Bits>();
+    std::vector<float> storage(kRowsAtOnce * K + 16);
+    float* buf = storage.data();
+    for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
+        const int64_t rows = std::min(kRowsAtOnce, n1 - n);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = n + r;
+            for (int64_t b = 0; b < blocks; ++b) {
+                __m256 w[4];
+                decode_block<Bits>(q + row * qrow + b * block_bytes<Bits>(), d[row * blocks + b], m[row * blocks + b], w);
+                for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * K + b * kBlock + 8 * j, w[j]);
+            }
+        }
+        const float* w0 = buf;
+        const float* w1 = buf + (rows > 1 ? 1 : 0) * K;  // short groups read row 0 again; their sums are dropped
+        const float* w2 = buf + (rows > 2 ? 2 : 0) * K;
+        const float* w3 = buf + (rows > 3 ? 3 : 0) * K;
+        int64_t i = 0;
+        for (; i + kActTile <= M; i += kActTile) {
+            const float* x0 = x + i * K;
+            const float* x1 = x0 + K;
+            const float* x2 = x1 + K;
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+            __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+            for (int64_t k = 0; k < K; k += 8) {
+                const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k), v2 = _mm256_loadu_ps(x2 + k);
+                __m256 w = _mm256_loadu_ps(w0 + k);
+                a00 = _mm256_fmadd_ps(w, v0, a00); a10 = _mm256_fmadd_ps(w, v1, a10); a20 = _mm256_fmadd_ps(w, v2, a20);
+                w = _mm256_loadu_ps(w1 + k);
+                a01 = _mm256_fmadd_ps(w, v0, a01); a11 = _mm256_fmadd_ps(w, v1, a11); a21 = _mm256_fmadd_ps(w, v2, a21);
+                w = _mm256_loadu_ps(w2 + k);
+                a02 = _mm256_fmadd_ps(w, v0, a02); a12 = _mm256_fmadd_ps(w, v1, a12); a22 = _mm256_fmadd_ps(w, v2, a22);
+                w = _mm256_loadu_ps(w3 + k);
+                a03 = _mm256_fmadd_ps(w, v0, a03); a13 = _mm256_fmadd_ps(w, v1, a13); a23 = _mm256_fmadd_ps(w, v2, a23);
+            }
+            const __m256 acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
+            for (int64_t t = 0; t < kActTile; ++t)
+                for (int64_t r = 0; r < rows; ++r) y[(i + t) * N + n + r] = reduce(acc[t][r]);
+        }
+        for (; i < M; ++i) {
+            const float* xi = x + i * K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t k = 0; k < K; k += 8) {
+                const __m256 v = _mm256_loadu_ps(xi + k);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), v, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), v, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), v, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), v, a3);
+            }
+            const __m256 acc[4] = {a0, a1, a2, a3};
+            for (int64_t r = 0; r < rows; ++r) y[i * N + n + r] = reduce(acc[r]);
+        }
+    }
+}
+
+// Weight rows per task: a multiple of kRowsAtOnce, so that tasks never split a group of four.
+constexpr int64_t kGrain = 64;
+
+template <int Bits>
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+                "x must be a contiguous 2-D fp32 CPU tensor");
+    TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.is_contiguous(), "codes must be contiguous 2-D uint8");
+    const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+    TORCH_CHECK(K % kBlock == 0, "the input width must be a multiple of 32");
+    TORCH_CHECK(q.size(1) == K / kBlock * block_bytes<Bits>(), "codes do not match the input width");
+    TORCH_CHECK(d.scalar_type() == torch::kFloat32 && m.scalar_type() == torch::kFloat32 && d.is_contiguous() &&
+                m.is_contiguous() && d.numel() == N * (K / kBlock) && m.numel() == d.numel(),
+                "scales and offsets must be contiguous fp32, one per block");
+    auto y = torch::empty({M, N}, x.options());
+    const float* xp = x.data_ptr<float>();
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    const float* dp = d.data_ptr<float>();
+    const float* mp = m.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, (N + kGrain - 1) / kGrain, 1, [&](int64_t t0, int64_t t1) {
+        const int64_t n0 = t0 * kGrain, n1 = std::min(N, t1 * kGrain);
+        if (M == 1)
+            one_row<Bits>(xp, qp, dp, mp, yp, K, n0, n1);
+        else
+            many_rows<Bits>(xp, qp, dp, mp, yp, M, K, N, n0, n1);
+    });
+    return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+    module.def("q4", &product<4>, "y = x @ W.T for 4-bit block codes W (fp32 arithmetic)");
+    module.def("q8", &product<8>, "y = x @ W.T for 8-bit block codes W (fp32 arithmetic)");
+}

@@ -1,0 +1,130 @@
+"""The compiled product of fp32 activations with GGUF block-quantised weights (``block_kernel.cpp``).
+
+A small model decoded on a CPU is memory-bound: every step streams every weight. A GGUF file's
+4-bit blocks are a sixth of the fp32 bytes, so reading them as they are, and rebuilding each weight in
+registers exactly as the fp32 dequantisation does, makes a step several times cheaper without
+rounding anything that fp32 would not (the C++ file's header says how). No library does that with
+fp32 activations: llama.cpp and ONNX Runtime's int4 kernels round activations to 8 bits or
+dequantise whole matrices per call, torch's int4 kernel wants bf16 activations.
+
+The extension is compiled on first use with torch's own C++ extension tooling (ninja and the
+system's C++ compiler) into the cache (``~/.cache/moaspec/kernels``) and reused from there. Where it cannot
+be (no compiler, a CPU without AVX2/FMA), :func:`kernel` says why once and GGUF targets run on their
+dequantised fp32 weights as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from moaspec.models.sources import cache_root
+
+SOURCE = Path(__file__).with_name("block_kernel.cpp")
+BLOCK = 32  # weights per block along the input dimension
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no contraction: the .cpp's arithmetic is written out
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """A weight ``[out, in]`` as blocks of 32 along ``in``: codes, and each block's fp32 scale ``d`` and
+    offset ``m``, so that weight = d·q + m exactly. ``bits`` 4: two codes a byte (ggml's nibble order), 0..15;
+    8: one signed code a byte."""
+
+    bits: int
+    codes: torch.Tensor  # uint8 [out, in / 32 * (16 or 32)]
+    scales: torch.Tensor  # fp32 [out, in / 32]
+    offsets: torch.Tensor  # fp32 [out, in / 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+    def dequantise(self) -> torch.Tensor:
+        """The fp32 weight these blocks stand for (tests, and checks against a model's dense weights)."""
+        out, blocks = self.scales.shape
+        if self.bits == 4:
+            lo, hi = self.codes.view(out, blocks, 16) & 0x0F, self.codes.view(out, blocks, 16) >> 4
+            q = torch.cat([lo, hi], dim=-1).float()
+        else:
+            q = self.codes.view(torch.int8).view(out, blocks, BLOCK).float()
+        return (q * self.scales[..., None] + self.offsets[..., None]).reshape(out, blocks * BLOCK)
+
+    def rows(self, index: torch.Tensor) -> BlockWeights:
+        """These blocks with their output rows reordered (or selected) by ``index``."""
+        return BlockWeights(self.bits, self.codes[index].contiguous(), self.scales[index].contiguous(),
+                            self.offsets[index].contiguous())
+
+    @staticmethod
+    def stack(parts: list[BlockWeights]) -> BlockWeights:
+        """Several weights of the same input width and code width, one above the other (a fused q/k/v)."""
+        if len({p.bits for p in parts}) != 1:
+            raise ValueError("fused weights must share their code width")
+        return BlockWeights(parts[0].bits, torch.cat([p.codes for p in parts]).contiguous(),
+                            torch.cat([p.scales for p in parts]).contiguous(),
+                            torch.cat([p.offsets for p in parts]).contiguous())
+
+
+_module: ModuleType | None = None
+_why_not: str | None = None
+
+
+def cpu_supported() -> str | None:
+    """Why this CPU cannot run the kernel, or ``None``: it needs AVX2 and FMA (x86 CPUs since 2013–2015)."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
+    if not capability.startswith(("AVX2", "AVX512")):
+        return f"this CPU's vector capability is {capability}, and the kernel needs AVX2 with FMA"
+    return None
+
+
+def kernel() -> ModuleType | None:
+    """The compiled extension, built once per source version and machine; ``None`` (said once, on stderr)
+    where it cannot be built or run."""
+    global _module, _why_not
+    if _module is not None or _why_not is not None:
+        return _module
+    _why_not = cpu_supported()
+    if _why_not is None:
+        try:
+            _module = build()
+        except Exception as exc:  # a missing compiler or ninja raises many types: report it, run on fp32
+            _why_not = f"it could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
+    if _module is None:
+        print(f"moaspec: GGUF targets run on dequantised fp32 weights: {_why_not}", file=sys.stderr)
+    return _module
+
+
+def build() -> ModuleType:
+    """Compile (or load the cached build of) the extension; its name carries the source's and flags' digest,
+    so an edited kernel is never confused with an old build."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"moaspec_block_kernel_{digest}"
+    where = cache_root() / "kernels" / name
+    where.mkdir(parents=True, exist_ok=True)
+    if not (where / f"{name}.so").exists():
+        print("moaspec: compiling the 4-bit CPU kernel once (about a minute) ...", file=sys.stderr)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
+                              verbose=False)
+
+
+def why_not() -> str | None:
+    """Why :func:`kernel` gave ``None`` (after it was called), else ``None``."""
+    return _why_not
+
+
+def product(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
+    """``x @ W.T`` for fp32 ``x`` ``[rows, in]`` (contiguous) and block weights ``W`` (the kernel must exist)."""
+    module = _module if _module is not None else kernel()
+    assert module is not None, "product() needs the compiled kernel: check kernel() first"
+    return (module.q4 if w.bits == 4 else module.q8)(x, w.codes, w.scales, w.offsets)

@@ -1,0 +1,173 @@
+"""A GGUF target's own quantised blocks, attached to the runtime's linear layers.
+
+A GGUF file is first converted (dequantised to fp32) into a model directory, which every path of
+this runtime can run: training, exports, prefill's large products. For decoding, each
+:class:`~moaspec.models.packed_linear.Linear` whose weight was stored as Q4_0, Q4_1 or Q8_0 also
+gets that weight's blocks, as the file holds them, for the compiled kernel of
+:mod:`~moaspec.models.block_kernel`: a decoding step then reads about a sixth of the fp32 bytes.
+
+The runtime's layout differs from the file's in two ways, both undone here: q/k/v and gate/up are
+fused (their blocks are stacked), and llama.cpp's converter permutes the rows of the query and key
+projections, which transformers' reader permutes back (so do we, on whole rows of blocks). Each
+attached weight is checked against the dense weight the converter wrote, on sampled rows, bit for
+bit: a tensor whose blocks do not give exactly that weight (another permutation, another type)
+keeps the fp32 path, so the blocks can only ever compute the model the rest of the runtime runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moaspec.models.block_kernel import BlockWeights, kernel
+from moaspec.models.packed_linear import Linear
+from moaspec.models.transformer import Transformer
+
+BLOCKS_ENV = "MOASPEC_GGUF_BLOCKS"  # "0": run GGUF targets on their dequantised fp32 weights (--dense-weights)
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what the kernel reads; other tensor types keep the fp32 path
+_CHECKED_ROWS = 16  # sampled rows per weight compared bit for bit with the dense weight
+
+
+def blocks_of(tensor: object) -> BlockWeights | None:
+    """A GGUF reader tensor's blocks, or ``None`` for a type the kernel does not read.
+
+    ggml's layouts: Q4_1 blocks are (fp16 d, fp16 m, 16 bytes of nibbles), Q4_0 (fp16 d, 16 bytes) with
+    weights d·(q − 8), written here as offset m = −8d (exact: d·q − 8d has at most 16 significant bits),
+    Q8_0 (fp16 d, 32 signed bytes)."""
+    kind = tensor.tensor_type.name  # type: ignore[attr-defined]
+    if kind not in BLOCK_TYPES:
+        return None
+    raw = np.asarray(tensor.data)  # type: ignore[attr-defined]  # uint8 [out, blocks * bytes per block]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    out = raw.shape[0]
+    blocks = raw.reshape(out, -1, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = blocks[..., 4:]
+    elif kind == "Q4_0":
+        m, codes = -8 * d, blocks[..., 2:]
+    else:
+        m, codes = np.zeros_like(d), blocks[..., 2:]
+    return BlockWeights(8 if kind == "Q8_0" else 4, torch.from_numpy(np.ascontiguousarray(codes).reshape(out, -1)),
+                        torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(m)))
+
+
+def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order transformers' GGUF reader gives a llama query or key projection: llama.cpp's
+    converter interleaved each head's two rotary halves, the reader undoes it (``index[hf_row] = gguf_row``)."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def same_weight(blocks: BlockWeights, dense: torch.Tensor) -> bool:
+    """Whether ``blocks`` give ``dense`` bit for bit on its first, last and evenly spread rows."""
+    if blocks.shape != tuple(dense.shape):
+        return False
+    rows = torch.linspace(0, dense.shape[0] - 1, _CHECKED_ROWS).long().unique()
+    return torch.equal(blocks.rows(rows).dequantise(), dense.detach()[rows].float())
+
+
+BLOCKS_FILE = "gguf-blocks-v1.safetensors"  # beside the converted weights: reading the GGUF's index takes seconds
+
+
+def attach_gguf_blocks(model: Transformer, model_dir: Path, gguf: Path) -> str:
+    """Give ``model``'s linear layers the blocks of the GGUF file they were converted from; returns a
+    one-line account (how many weights, how many bytes), or why none were attached.
+
+    The blocks are taken from the file once and kept in ``model_dir`` (:data:`BLOCKS_FILE`, written
+    atomically); later loads map that file. Either way each weight is checked against the dense one."""
+    if os.environ.get(BLOCKS_ENV, "") == "0":
+        return f"{BLOCKS_ENV}=0"
+    if model.device.type != "cpu" or model.dtype != torch.float32 or model.first_block:
+        return "the kernel runs whole fp32 targets on a CPU"
+    if kernel() is None:
+        return "no kernel"
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    cached = model_dir / BLOCKS_FILE
+    found = read_blocks(cached) if cached.is_file() else None
+    if found is None:
+        found = gguf_blocks(model, gguf)
+        write_blocks(found, cached)
+    attached, nbytes = 0, 0
+    for name, linear in linears.items():
+        b = found.get(name)
+        if b is not None and same_weight(b, linear.weight):
+            linear.blocks = b
+            attached += 1
+            nbytes += b.nbytes
+    if attached == 0:
+        return f"none of {gguf.name}'s weights is Q4_0, Q4_1 or Q8_0 as converted"
+    tail = f"; {len(linears) - attached} keep fp32" if attached < len(linears) else ""
+    return f"{attached} weights read as 4/8-bit blocks ({nbytes / 2**20:.0f} MiB){tail}"
+
+
+def gguf_blocks(model: Transformer, gguf: Path) -> dict[str, BlockWeights]:
+    """The blocks of ``gguf`` for each of ``model``'s linear layers (by module name) that the file stores in a
+    type the kernel reads, in the runtime's layout: fused, and with llama's query/key rows in transformers'
+    order where that is what the converted weights hold (checked against them, else taken as stored)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+
+    def take(names: list[str], heads: list[int | None]) -> BlockWeights | None:
+        parts = [None if n not in tensors else blocks_of(tensors[n]) for n in names]
+        if any(p is None for p in parts):
+            return None
+        parts = [p if h is None else p.rows(unpermute_rows(p.shape[0], h)) for p, h in zip(parts, heads)]
+        try:
+            return parts[0] if len(parts) == 1 else BlockWeights.stack(parts)
+        except ValueError:  # q/k/v of different code widths: the fp32 path
+            return None
+
+    heads = (model.cfg.num_heads, model.cfg.num_kv_heads)
+    plan: dict[str, tuple[list[str], list[int | None]]] = {}
+    for i in range(len(model.blocks)):
+        p, b = f"blk.{i}.", f"blocks.{i}."
+        plan[b + "attn.qkv"] = ([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], [*heads, None])
+        plan[b + "attn.o"] = ([p + "attn_output.weight"], [None])
+        plan[b + "mlp.gate_up"] = ([p + "ffn_gate.weight", p + "ffn_up.weight"], [None, None])
+        plan[b + "mlp.down"] = ([p + "ffn_down.weight"], [None])
+    plan["lm_head"] = (["output.weight" if "output.weight" in tensors else "token_embd.weight"], [None])
+    linears = dict(model.named_modules())
+    found: dict[str, BlockWeights] = {}
+    for name, (names, order) in plan.items():
+        weight = linears[name].weight
+        for attempt in (order, [None] * len(names)):  # transformers' row order for llama, else the file's
+            b = take(names, attempt)
+            if b is not None and same_weight(b, weight):
+                found[name] = b
+                break
+    return found
+
+
+def write_blocks(found: dict[str, BlockWeights], path: Path) -> None:
+    """Save ``found`` as one safetensors file, atomically (a rename), so a crash leaves no half-written cache."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, b in found.items():
+        tensors.update({f"{name}.codes": b.codes, f"{name}.scales": b.scales, f"{name}.offsets": b.offsets})
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={name: str(b.bits) for name, b in found.items()})
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache: the blocks are used all the same, read from the file next time too
+        tmp.unlink(missing_ok=True)
+        print(f"moaspec: could not keep the GGUF blocks in {path.parent} ({exc.strerror})", file=sys.stderr)
+
+
+def read_blocks(path: Path) -> dict[str, BlockWeights] | None:
+    """What :func:`write_blocks` saved, or ``None`` if the file cannot be read (it is then made again)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            bits = f.metadata() or {}
+            return {name: BlockWeights(int(w), f.get_tensor(f"{name}.codes"), f.get_tensor(f"{name}.scales"),
+                                       f.get_tensor(f"{name}.offsets")) for name, w in bits.items()}
+    except (SafetensorError, OSError, ValueError):
+        return None

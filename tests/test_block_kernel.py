@@ -1,0 +1,172 @@
+"""The 4-bit/8-bit block kernel: exact weights, fp32 arithmetic, rows independent of the product's size,
+GGUF's layouts read as gguf dequantises them, and GGUF targets decoding from their blocks losslessly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moaspec.models import block_kernel, gguf_blocks
+from moaspec.models.block_kernel import BlockWeights
+from moaspec.models.packed_linear import Linear
+
+needs_kernel = pytest.mark.skipif(block_kernel.cpu_supported() is not None, reason=str(block_kernel.cpu_supported()))
+
+
+def random_blocks(bits: int, out: int, inner: int, seed: int = 0) -> BlockWeights:
+    """Blocks with every code value and scales/offsets as fp16 would store them (what GGUF files hold)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = inner // 32
+    codes = torch.randint(0, 256, (out, blocks * (16 if bits == 4 else 32)), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half().float()
+    offsets = (-8 * scales if bits == 4 else torch.zeros_like(scales)) + (torch.randn(out, blocks, generator=g) * 1e-3
+                                                                          ).half().float() * (bits == 4)
+    return BlockWeights(bits, codes, scales, offsets)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("out", [1, 5, 64, 203])  # short groups of four rows, tasks of 64 rows and their remainders
+def test_product_is_fp32_arithmetic_on_the_exact_weights(bits: int, out: int) -> None:
+    w = random_blocks(bits, out, 96)
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(1))
+    exact = x.double() @ w.dequantise().double().T
+    for rows in (1, 2, 3, 4, 7, 70):
+        got = block_kernel.product(x[:rows].contiguous(), w)
+        # fp32 sums of 96 terms: the error bound measured here is ~1e-6 of the largest output; allow 1e-5
+        assert (got.double() - exact[:rows]).abs().max() <= 1e-5 * exact[:rows].abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_result_does_not_depend_on_how_many_rows_the_product_has(bits: int) -> None:
+    """Bit for bit: a verification of k tokens must score each exactly as a one-token step does."""
+    w = random_blocks(bits, 131, 160, seed=2)
+    x = torch.randn(67, 160, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([block_kernel.product(x[i : i + 1].contiguous(), w) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 6, 16, 64, 67):
+        assert torch.equal(block_kernel.product(x[:rows].contiguous(), w), alone[:rows])
+    with torch.inference_mode():  # and with torch's other thread count
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            assert torch.equal(block_kernel.product(x.contiguous(), w), alone)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_exactly_as_gguf_dequantises_them(kind: str) -> None:
+    from gguf import GGMLQuantizationType, quants
+
+    class Tensor:  # what GGUFReader gives: the type and the raw bytes, one row of blocks per output row
+        tensor_type = GGMLQuantizationType[kind]
+        data = quants.quantize(np.random.default_rng(4).standard_normal((6, 128)).astype(np.float32),
+                               GGMLQuantizationType[kind])
+
+    blocks = gguf_blocks.blocks_of(Tensor())
+    assert blocks is not None and blocks.bits == (8 if kind == "Q8_0" else 4) and blocks.shape == (6, 128)
+    want = torch.from_numpy(quants.dequantize(Tensor.data, Tensor.tensor_type).astype(np.float32))
+    assert torch.equal(blocks.dequantise(), want)
+
+
+def test_other_tensor_types_have_no_blocks() -> None:
+    from gguf import GGMLQuantizationType
+
+    class Tensor:
+        tensor_type = GGMLQuantizationType.F16
+        data = np.zeros((2, 32), np.float16)
+
+    assert gguf_blocks.blocks_of(Tensor()) is None
+
+
+def test_query_rows_are_put_back_in_the_order_transformers_reads_them() -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows = np.arange(48)[:, None]  # 4 heads of 12 rows
+    want = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 4}).process(
+        weights=rows, name="blk.0.attn_q.weight").weights[:, 0]
+    assert gguf_blocks.unpermute_rows(48, 4).tolist() == want.tolist()
+
+
+QUANTISED = {"attn_": "Q4_1", "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "output.": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def quantised_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny import make_tiny_gguf, make_tiny_model
+
+    root = tmp_path_factory.mktemp("blocks")
+    return make_tiny_gguf(make_tiny_model(root / "qwen2", "qwen2", seed=5), root / "tiny.q4.gguf", QUANTISED)
+
+
+def linears(model: torch.nn.Module) -> dict[str, Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+
+
+@needs_kernel
+def test_a_quantised_gguf_target_decodes_from_its_blocks_as_its_fp32_weights_do(
+        quantised_gguf: Path) -> None:
+    from moaspec.decoding import GenerationConfig, generate
+    from moaspec.decoding.speculative import generate_chain
+    from moaspec.decoding.tree import TreeShape, generate_tree
+    from moaspec.models import load_model, sources
+
+    loaded = load_model(str(quantised_gguf), device="cpu")
+    assert all(m.blocks is not None for m in linears(loaded.model).values())
+    assert (sources.resolve_model(str(quantised_gguf)) / gguf_blocks.BLOCKS_FILE).is_file()
+    again = load_model(str(quantised_gguf), device="cpu")  # the second load maps the kept blocks
+    assert all(torch.equal(a.blocks.codes, b.blocks.codes)  # type: ignore[union-attr]
+               for a, b in zip(linears(loaded.model).values(), linears(again.model).values()))
+
+    model, tok = loaded.model, loaded.tokenizer
+    ids = torch.randint(0, loaded.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        blocks = model(ids, model.new_cache(16)).logits
+        saved = {n: m.blocks for n, m in linears(model).items()}
+        for m in linears(model).values():
+            m.blocks = None
+        dense = model(ids, model.new_cache(16)).logits
+        for n, m in linears(model).items():
+            m.blocks = saved[n]
+    torch.testing.assert_close(blocks, dense, atol=1e-5, rtol=0)
+
+    from test_speculative import moa_proposer
+
+    cfg = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    for prompt in ([5, 17, 42, 7], list(range(30, 60))):
+        want = generate(model, tok, prompt, cfg)
+        assert generate_chain(model, tok, moa_proposer(loaded), prompt, cfg, draft_len=4).token_ids == want.token_ids
+        assert generate_tree(model, tok, moa_proposer(loaded), prompt, cfg, TreeShape(4, 3, 13)).token_ids == want.token_ids
+
+
+def test_without_a_kernel_gguf_targets_run_on_fp32_and_say_why_once(
+        quantised_gguf: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from moaspec.models import load_model
+
+    def no_compiler() -> None:
+        raise RuntimeError("Error building extension\nc++: command not found")
+
+    monkeypatch.setattr(block_kernel, "_module", None)
+    monkeypatch.setattr(block_kernel, "_why_not", None)
+    monkeypatch.setattr(block_kernel, "build", no_compiler)
+    monkeypatch.setattr(block_kernel, "cpu_supported", lambda: None)
+    for _ in range(2):
+        loaded = load_model(str(quantised_gguf), device="cpu")
+        assert not any(m.blocks is not None for m in linears(loaded.model).values())
+    err = capsys.readouterr().err
+    assert err.count("GGUF targets run on dequantised fp32 weights") == 1 and "c++: command not found" in err
+    assert loaded.model(torch.tensor([[1, 2, 3]]), loaded.model.new_cache(4)).logits.isfinite().all()
+
+
+def test_dense_weights_option_keeps_gguf_targets_on_fp32(quantised_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moaspec.cli import build_parser
+    from moaspec.cli.options import load_target
+
+    monkeypatch.setenv(gguf_blocks.BLOCKS_ENV, "1")  # restored after the test, whatever load_target sets
+    args = build_parser().parse_args(["generate", "hi", "--model", str(quantised_gguf), "--dense-weights"])
+    loaded = load_target(args)
+    assert not any(m.blocks is not None for m in linears(loaded.model).values())
