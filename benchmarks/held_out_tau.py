@@ -18,6 +18,15 @@ with the same ``--val-fraction``), per record:
   G tokens back (``--memory-gaps``): how much the drafter draws from the newest ones.
 
     .venv/bin/python benchmarks/held_out_tau.py --data ~/.cache/moaspec/data/gpu/data{1..8} [--drafter DIR]
+
+Every figure uses inference's masks, whichever masks the drafter trained with (``moaspec train
+--segment-start-in-memory`` included), so arms of an A/B comparison read alike. Per arm, top-1 by
+drafting step 1..6 and the first draft with memory from G = 1 (decoding) and G = 8 tokens back,
+on the same held-out records (pass the arms' --val-fraction and --max-len)::
+
+    D=$(echo ~/.cache/moaspec/data/gpu/data{1..8})
+    .venv/bin/python benchmarks/held_out_tau.py --data $D --threads 1 --memory-gaps 1,8 --drafter RUN_A/drafter
+    .venv/bin/python benchmarks/held_out_tau.py --data $D --threads 1 --memory-gaps 1,8 --drafter RUN_B/drafter
 """
 
 from __future__ import annotations

@@ -53,28 +53,38 @@ def make_drafter(loaded, tli: int = 0, vocab: int = 0, seed: int = 0, memory: st
     return d.eval()
 
 
-@pytest.mark.parametrize("tli, together, memory, reach, newest, derotate", [
-    (0, False, "lsa", 15, False, False), (1, False, "lsa", 15, False, False), (2, False, "lsa", 15, False, False),
-    (1, True, "lsa", 15, False, False), (2, True, "lsa", 15, False, False), (0, False, "last-layer", 15, False, False),
-    (1, True, "lsa+final", 15, False, False),
-    (0, False, "lsa", 4, False, False), (1, True, "lsa", 4, False, False),  # a segment longer than CA's reach
-    (0, False, "lsa", 15, True, False), (1, True, "lsa", 4, True, False),  # CA's input carries the newest entry
-    (0, False, "lsa", 15, False, True), (1, True, "lsa+final", 15, False, True),  # LSA reads derotated keys
+@pytest.mark.parametrize("tli, together, memory, reach, newest, derotate, inclusive", [
+    (0, False, "lsa", 15, False, False, False), (1, False, "lsa", 15, False, False, False),
+    (2, False, "lsa", 15, False, False, False), (1, True, "lsa", 15, False, False, False),
+    (2, True, "lsa", 15, False, False, False), (0, False, "last-layer", 15, False, False, False),
+    (1, True, "lsa+final", 15, False, False, False),
+    (0, False, "lsa", 4, False, False, False), (1, True, "lsa", 4, False, False, False),  # segment longer than CA's reach
+    (0, False, "lsa", 15, True, False, False), (1, True, "lsa", 4, True, False, False),  # CA's input: the newest entry
+    (0, False, "lsa", 15, False, True, False), (1, True, "lsa+final", 15, False, True, False),  # derotated keys
+    # --segment-start-in-memory: the segment starts one position before the first draft, which reads it
+    (0, False, "lsa", 15, False, False, True), (1, False, "lsa", 15, False, False, True),
+    (2, True, "lsa", 15, False, False, True), (1, True, "lsa+final", 4, True, False, True),
+    (0, False, "last-layer", 4, False, False, True),
 ])
 def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int, together: bool, memory: str,  # type: ignore[no-untyped-def]
-                                                            reach: int, newest: bool, derotate: bool) -> None:
-    """Drafting after a verification at position p sees exactly what training shows a segment starting at p."""
+                                                            reach: int, newest: bool, derotate: bool,
+                                                            inclusive: bool) -> None:
+    """Drafting after a verification at position p sees exactly what training shows a segment starting at p; with
+    segment starts in memory (``inclusive``, the authors' mask), what it shows the positions after a start at p − 1
+    (distance >= 1 from the newest entry)."""
     drafter = make_drafter(tiny_llama, tli=tli, vocab=64, memory=memory, reach=reach, newest=newest, derotate=derotate)
     target = tiny_llama.model
     S, p = 24, 9
     tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
     cache = target.new_cache(S)
     final = target(tokens, cache).hidden
+    start = p - 1 if inclusive else p
     starts = torch.zeros(S, dtype=torch.long)
-    starts[p:] = p  # one segment: every response position sees memory < p
-    batch = Batch(tokens, torch.tensor([S]), torch.tensor([p]))
-    masks = Masks(sa=torch.ones(S, S, dtype=torch.bool).tril()[None], ca=cross_attention_mask(starts, p)[None],
-                  starts=starts[None], loss=(torch.arange(S) >= p)[None])
+    starts[start:] = start  # one segment: every position from p on sees memory < p
+    batch = Batch(tokens, torch.tensor([S]), torch.tensor([start]))
+    masks = Masks(sa=torch.ones(S, S, dtype=torch.bool).tril()[None],
+                  ca=cross_attention_mask(starts, start, inclusive)[None], starts=starts[None],
+                  loss=(torch.arange(S) >= start)[None], inclusive=inclusive)
     with torch.no_grad():
         pred = drafter(tokens, cache.token_kv(0, S), final, masks.sa, masks.ca)
         if tli:
@@ -101,6 +111,31 @@ def test_inference_steps_match_teacher_forced_training_pass(tiny_llama, tli: int
                                  tli_mask=torch.ones(1, j + 1, dtype=torch.bool)))
     steps = torch.cat(outs, dim=1)
     torch.testing.assert_close(steps, trained, atol=1e-4, rtol=1e-4)
+
+
+def test_near_zero_norm_gains_start_sa_ca_and_lsa_close_to_identity(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """--norm-init-std 0.02 (the authors' init): the pre-norm gains of SA, CA, LSA and the memory norm ~ N(0, 0.02²);
+    every other weight as the plain drafter's, the output norm included; each layer then nearly passes its input on."""
+    plain = make_drafter(tiny_llama)
+    drafter = make_drafter(tiny_llama)
+    torch.manual_seed(3)
+    drafter.start_norms_near_zero(0.02)
+    names = {"sa.attn_norm.weight", "sa.mlp_norm.weight", "ca.attn_norm.weight", "ca.mlp_norm.weight",
+             "lsa.attn_norm.weight", "lsa.mlp_norm.weight", "memory_norm.weight"}
+    before, after = plain.state_dict(), drafter.state_dict()
+    gains = torch.cat([after[n] for n in sorted(names)])
+    assert all((before[n] == 1).all() for n in names)
+    assert abs(float(gains.mean())) < 0.004 and 0.017 < float(gains.std()) < 0.023 and float(gains.abs().max()) < 0.1
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in names)  # out_norm: the target's final norm
+    x = torch.randn(2, 5, tiny_llama.cfg.hidden_size)
+    cos, sin = drafter.rope(torch.arange(5))
+    memory = drafter.memory(torch.randn(2, 5, tiny_llama.cfg.num_layers, drafter.cfg.target_kv_width), None)
+    with torch.no_grad():
+        k, v = drafter.ca.attn.keys_values(memory, cos, sin)
+        for y in (drafter.sa.self_attention(x, cos, sin, None), drafter.ca.cross_attention(x, cos, sin, k, v, None)):
+            assert float((y - x).norm() / x.norm()) < 0.02
+        plain_y = plain.sa.self_attention(x, cos, sin, None)
+        assert float((plain_y - x).norm() / x.norm()) > 0.1  # gains of 1: far from the identity
 
 
 def test_cross_attention_reach_bounds_the_query_to_memory_distance(tiny_llama) -> None:  # type: ignore[no-untyped-def]

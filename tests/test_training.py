@@ -776,3 +776,109 @@ def test_drafters_train_for_a_qwen3_target_with_scaled_rope(tmp_path: Path, kind
     assert summary["steps"] == 6
     assert all(math.isfinite(float(r["loss"])) for r in read_log(tmp_path / "run" / "train_log.csv"))
     load_drafter(tmp_path / "run" / "drafter", target)
+
+
+# --- the MoA authors' recipe (huawei-noah/HEBO, branch mixture-of-attentions), as options -----------------------
+
+
+def test_eagle_embedding_noise_is_uniform_applied_in_training_only_and_leaves_the_targets_clean(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """--embedding-noise A: U(−A, A) on the token embeddings EAGLE reads, in training mode only (as on its features)."""
+    from moaspec.drafters.eagle import EagleConfig, EagleDrafter
+
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_llama.cfg, feature_noise=0.0))
+    drafter.attach(tiny_llama.model)
+    tokens = torch.randint(0, tiny_llama.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    features = torch.randn(2, 7, tiny_llama.cfg.hidden_size)
+    kept = features.clone()
+    prev = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+    emb = tiny_llama.model.embed(tokens)
+    with torch.no_grad():
+        clean = drafter.eval()(tokens, features)
+        drafter.embedding_noise = 0.1
+        assert torch.equal(drafter(tokens, features), clean)  # evaluation and drafting: no noise
+        drafter.train()
+        torch.manual_seed(7)
+        noisy = drafter(tokens, features)
+        torch.manual_seed(7)
+        noise = (torch.rand_like(emb) * 2 - 1) * 0.1  # the draw the pass made
+        cos, sin = drafter.rope(torch.arange(7))
+        mask = torch.ones(7, 7, dtype=torch.bool).tril()
+        expected = drafter.layer.self_attention(drafter.fc(torch.cat([prev, emb + noise], -1)), cos, sin, mask)
+    torch.testing.assert_close(noisy, expected)
+    assert 0.09 < float(noise.abs().max()) <= 0.1 and abs(float(noise.mean())) < 0.01
+    assert not torch.allclose(noisy, clean)
+    assert torch.equal(features, kept)  # the target's features, the regression targets, stay clean
+    drafter.embedding_noise = 0.0
+    torch.manual_seed(7)
+    assert torch.equal(drafter(tokens, features), clean)  # no noise at all without feature noise either
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(kind="eagle", segment_start_in_memory=True), "MoA drafters only"),
+    (dict(kind="eagle", norm_init_std=0.02), "MoA drafters only"),
+    (dict(segment_start_in_memory=True, segment_min=1), "--segment-min >= 2"),
+    (dict(segment_periodic=True, segment_long_fraction=0.2, segment_long_max=40), "cannot mix in"),
+    (dict(pseudo_epoch=3, warmup=3), "longer than --warmup"),
+    (dict(pseudo_epoch=-1), "--pseudo-epoch"),
+    (dict(norm_init_std=float("nan")), r"--norm-init-std must be in \[0, 1\]"),
+    (dict(norm_init_std=0.02, init_from="some/drafter"), "keeps its trained norms"),
+    (dict(kind="eagle", embedding_noise=-0.1), r"--embedding-noise must be in \[0, 1\]"),
+    (dict(embedding_noise=0.1), "EAGLE drafters only"),
+])
+def test_the_authors_recipe_options_refuse_bad_values(tiny_llama, tiny_data: Path, tmp_path: Path, kw, fragment) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(MoaspecError, match=fragment):
+        Trainer(tiny_llama, tiny_data, tmp_path / "run", small(**kw), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind", ["moa", "eagle"])
+def test_the_authors_recipe_trains(tiny_llama, tiny_data: Path, tmp_path: Path, monkeypatch, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """Every option of the authors' recipe at once reaches training (masks, staircase, learning rate, init, noise),
+    is saved in the drafter's training config, and the held-out evaluation keeps inference's masks."""
+    from moaspec.drafters.checkpoint import load_drafter
+    from moaspec.training import trainer as trainer_module
+
+    calls: list[dict[str, object]] = []
+    real = trainer_module.build_masks
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        masks = real(*args, **kwargs)
+        calls.append({"local": args[2].tolist(), "inclusive": masks.inclusive, "starts": masks.starts})
+        return masks
+
+    monkeypatch.setattr(trainer_module, "build_masks", spy)
+    options = dict(pseudo_epoch=4, warmup=2, lr=2e-3)
+    if kind == "moa":
+        options.update(segment_start_in_memory=True, segment_periodic=True, segment_min=3, segment_max=6,
+                       norm_init_std=0.02)
+    else:
+        options.update(embedding_noise=0.1)
+    cfg = small(kind=kind, steps=6, eval_every=6, save_every=6, val_fraction=0.2, **options)
+    trainer = Trainer(tiny_llama, tiny_data, tmp_path / "run", cfg, progress=False)
+    if kind == "moa":
+        assert float(trainer.raw.sa.attn_norm.weight.detach().abs().max()) < 0.1  # near-zero gains
+    else:
+        assert trainer.raw.embedding_noise == 0.1
+    summary = trainer.train()
+    log = read_log(tmp_path / "run" / "train_log.csv")
+    assert all(math.isfinite(float(r["loss"])) for r in log)
+    # lr after each update: warm-up to 2e-3 over 2, down to 1e-4 by update 4, then constant
+    assert [float(r["lr"]) for r in log] == pytest.approx([2e-3, 2e-3, 1.05e-3, 1e-4, 1e-4, 1e-4])
+    train_calls = calls[: cfg.steps]
+    assert all(all(c["local"]) for c in train_calls[:4])  # pseudo-epoch 0: every sequence's SA is local
+    assert train_calls[0]["inclusive"] == (kind == "moa")
+    assert not any(c["inclusive"] for c in calls[cfg.steps :])  # evaluation: inference's masks
+    if kind == "moa":
+        starts = train_calls[0]["starts"]
+        assert isinstance(starts, torch.Tensor)
+        for row in starts:
+            bounds = sorted(set(row[row > 0].tolist()))
+            assert len({b - a for a, b in zip(bounds[1:], bounds[2:])}) <= 1  # one period per sequence
+    saved = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())["training"]["config"]
+    for name, value in options.items():
+        assert saved[name] == value
+    drafter = load_drafter(tmp_path / "run" / "drafter", tiny_llama)
+    if kind == "moa":
+        assert drafter.cfg.ca_reach == 5  # a 6-position segment whose start reads itself reaches 5 past it
+    assert 1.0 <= summary["last_val"]["val_tau_decode"] <= 7.0

@@ -8,15 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moaspec.training.distill import simulate_chain
+from moaspec.training.dataset import Batch
+from moaspec.training.distill import masks_from_starts, simulate_chain, tli_mask
 from moaspec.training.losses import distillation_loss, kl_target_to_draft
 from moaspec.training.masks import (
     cross_attention_mask,
     cycle_starts,
+    epoch_staircase_probability,
+    periodic_starts,
     segment_starts,
     self_attention_mask,
     staircase_probability,
 )
+from moaspec.training.trainer import TrainConfig, lr_lambda
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -90,6 +94,64 @@ def test_hand_made_cross_attention_mask() -> None:
     assert torch.equal(cross_attention_mask(starts, 2), expected)
 
 
+def test_hand_made_cross_attention_mask_with_segment_starts_in_memory() -> None:
+    """--segment-start-in-memory (the authors' mask): a start reads memory up to and including itself, and the
+    positions after it read up to the start, newest entry one token back at the first of them."""
+    starts = torch.tensor([0, 0, 2, 2, 2, 5, 5])
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0],  # prompt: causal, as without the option
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],  # start 2 reads its own entry: distance 0, which inference never shows
+        [1, 1, 1, 0, 0, 0, 0],  # 3: newest entry 2, one back: inference's first draft after verifying 0..2
+        [1, 1, 1, 0, 0, 0, 0],  # 4: its second draft
+        [1, 1, 1, 1, 1, 1, 0],  # start 5 reads 0..5
+        [1, 1, 1, 1, 1, 1, 0],  # 6: first draft after verifying 0..5
+    ], dtype=torch.bool)
+    inclusive = cross_attention_mask(starts, 2, inclusive=True)
+    assert torch.equal(inclusive, expected)
+    # each response row is the inference-exact row of a cycle that starts one position later
+    exact = cross_attention_mask(starts, 2)
+    assert torch.equal(inclusive[2:], exact[2:] | (torch.arange(7)[None, :] == starts[2:, None]))
+    # a batch with one prompt length per sequence gives each sequence its own mask
+    batched = cross_attention_mask(torch.stack([starts, starts]), torch.tensor([2, 2]), inclusive=True)
+    assert torch.equal(batched[1], expected)
+
+
+def test_tli_mask_follows_the_memory_a_position_reads() -> None:
+    """TLI's true states reach as far as Cross-Attention's memory; a position never reads its own true state."""
+    starts = torch.tensor([[0, 0, 2, 2, 2, 5, 5]])
+    batch = Batch(torch.zeros(1, 7, dtype=torch.long), torch.tensor([7]), torch.tensor([2]))
+    for inclusive, true_limit in ((False, [0, 1, 2, 2, 2, 5, 5]), (True, [0, 1, 2, 3, 3, 5, 6])):
+        tm = tli_mask(masks_from_starts(batch, starts, torch.zeros(1, dtype=torch.bool), inclusive=inclusive),
+                      batch.lengths)[0]
+        for i in range(7):
+            assert tm[i, :7].nonzero().flatten().tolist() == list(range(true_limit[i])), (inclusive, i)
+            assert tm[i, 7:].nonzero().flatten().tolist() == list(range(true_limit[i], i + 1)), (inclusive, i)
+
+
+@pytest.mark.parametrize("prompt_len", [0, 4, 13])
+def test_periodic_segments_start_at_multiples_of_one_length_per_sequence(prompt_len: int) -> None:
+    gen = torch.Generator().manual_seed(prompt_len)
+    periods = []
+    for _ in range(300):
+        starts = periodic_starts(prompt_len, 80, gen, 6, 14)
+        assert (starts[:prompt_len] == 0).all()
+        bounds = sorted(set(starts[prompt_len:].tolist()))
+        assert bounds[0] == prompt_len
+        period = bounds[2] - bounds[1]
+        assert 6 <= period <= 14
+        assert all(b - a == period for a, b in zip(bounds[1:], bounds[2:]))  # one length for the whole sequence
+        assert all(b % period == 0 for b in bounds[1:])  # the authors' i % every == 0
+        assert bounds[1] - bounds[0] == period if prompt_len % period == 0 else bounds[1] - bounds[0] < period
+        for j in range(prompt_len, 80):
+            assert starts[j] == max(b for b in bounds if b <= j)
+        periods.append(period)
+    counts = torch.bincount(torch.tensor(periods), minlength=15)[6:].float()
+    assert counts.min() > 0 and (counts / counts.sum() - 1 / 9).abs().max() < 0.06  # uniform over 6..14
+    with pytest.raises(ValueError):
+        periodic_starts(0, 10, gen, 3, 2)
+
+
 def test_self_attention_masks() -> None:
     starts = torch.tensor([0, 0, 2, 2, 2, 5, 5])
     full = self_attention_mask(starts, local=False)
@@ -133,6 +195,28 @@ def test_staircase_schedule() -> None:
     assert staircase_probability(900, 1000) == 0.0
     probs = [staircase_probability(s, 1000) for s in range(0, 501, 50)]
     assert all(a > b for a, b in zip(probs, probs[1:]))
+
+
+def test_the_authors_staircase_over_pseudo_epochs() -> None:
+    """--pseudo-epoch 100: local SA with probability 1 − e/20 in pseudo-epoch e, the whole first one local."""
+    assert [epoch_staircase_probability(s, 100) for s in (0, 99, 100, 199, 200, 1000, 1999, 2000, 5000)] == \
+        pytest.approx([1.0, 1.0, 0.95, 0.95, 0.9, 0.5, 0.05, 0.0, 0.0])
+    with pytest.raises(ValueError):
+        epoch_staircase_probability(0, 0)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_peak_then_base_learning_rate_over_the_first_pseudo_epoch(processes: int) -> None:
+    """--lr is the peak: warm-up to it, a linear fall to --lr/20 by the end of the first pseudo-epoch, then constant;
+    counted in updates whatever the number of processes (Accelerate calls the scheduler once per process)."""
+    f = lr_lambda(TrainConfig(steps=1000, warmup=10, pseudo_epoch=110), processes)
+    factor = {step: f(step * processes) for step in (0, 4, 9, 10, 60, 109, 110, 500, 999)}
+    assert factor == pytest.approx({0: 0.1, 4: 0.5, 9: 1.0, 10: 1.0, 60: 1 - 0.95 / 2, 109: 0.05 + 0.95 / 100,
+                                    110: 0.05, 500: 0.05, 999: 0.05})
+    # without --pseudo-epoch, the schedule of before: warm-up, then a cosine to min_lr_ratio
+    default = lr_lambda(TrainConfig(steps=1000, warmup=10))
+    assert (default(0), default(10), default(1000)) == pytest.approx((0.1, 1.0, 0.1))
+    assert default(505) == pytest.approx(0.55)
 
 
 def test_kl_on_hand_made_distributions() -> None:

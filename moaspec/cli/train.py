@@ -20,6 +20,17 @@ def _lsa_width(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor 'full'") from None
 
 
+def _pseudo_epoch(text: str) -> float:
+    """``--pseudo-epoch``: a whole number of updates (>= 1), or a fraction of --steps in (0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < 1 or (value >= 1 and value.is_integer())):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of updates >= 1 nor a fraction in (0, 1)")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t = sub.add_parser("train", help="distil a MoA drafter from the target (HF Accelerate; works under accelerate launch / torchrun)")
     t.add_argument("--data", required=True, nargs="+", metavar="DIR",
@@ -31,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     t.add_argument("--tokens-per-batch", type=int, default=4096, help="tokens per micro-batch and process, padding included")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
     t.add_argument("--lr", type=float, default=5e-4)
-    t.add_argument("--warmup", type=int, default=50, help="linear warm-up updates, then cosine decay")
+    t.add_argument("--warmup", type=int, default=50, help="linear warm-up updates, then cosine decay (with --pseudo-epoch: then the authors' fall to a base)")
     t.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
     t.add_argument("--draft-vocab", type=int, default=8192, help="draft logits over the K most frequent target outputs (0 = whole vocabulary)")
     t.add_argument("--tli-layers", type=int, default=0, help="Target Layer Inference: reuse the target's last N layers")
@@ -41,6 +52,36 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="share of segments drawn longer, from segment-max+1 to --segment-long-max (drafting alone)")
     t.add_argument("--segment-long-max", type=int, default=0, help="longest of those long segments")
     t.add_argument("--no-staircase", action="store_true", help="no SA curriculum")
+    recipe = t.add_argument_group(
+        "the MoA authors' training recipe (huawei-noah/HEBO, branch mixture-of-attentions), each off by default")
+    recipe.add_argument("--segment-start-in-memory", action="store_true",
+                        help="MoA: Cross-Attention's training mask as the authors' (memory up to and including the "
+                             "segment start, not strictly before it): the start reads its own entry (distance 0, "
+                             "trained too) and the positions after it draft as inference's first and later drafts do, "
+                             "so a segment of n positions trains n - 1 real drafts; Cross-Attention's reach becomes "
+                             "--segment-max - 1. Decoding and the held-out evaluation are unchanged")
+    recipe.add_argument("--segment-periodic", action="store_true",
+                        help="MoA: one segment length per sequence, uniform in --segment-min..--segment-max, with a "
+                             "segment starting at every response position that is a multiple of it (the authors' "
+                             "`i %% every == 0`; their torch.randint(6, 15) is --segment-min 6 --segment-max 14), "
+                             "instead of a fresh length for every segment")
+    recipe.add_argument("--pseudo-epoch", type=_pseudo_epoch, default=None, metavar="UPDATES|FRACTION",
+                        help="the authors' curriculum and learning rate, compressed: training is cut into pseudo-epochs "
+                             "of UPDATES updates (or FRACTION of --steps; the authors' first of 40 epochs is 0.025); SA "
+                             "is local with probability max(0, 1 - e/20) in pseudo-epoch e = 0, 1, ... "
+                             "(all of the first one: context must come through Cross-Attention), and the learning "
+                             "rate warms up to --lr, the peak, over --warmup updates, falls linearly to the base, "
+                             "--lr/20, by the end of the first pseudo-epoch and stays there "
+                             "(the authors: 6e-4 falling to 3e-5 over their first epoch). Default: the staircase "
+                             "falls linearly to 0 at half of training, and the learning rate is warm-up and cosine")
+    recipe.add_argument("--norm-init-std", type=float, default=0.0, metavar="STD",
+                        help="MoA from random weights: draw the gains of SA's, CA's and LSA's norms and of the memory "
+                             "norm from N(0, STD^2) (the authors: 0.02) instead of 1, so that those layers start "
+                             "close to the identity (default 0: gains of 1)")
+    recipe.add_argument("--embedding-noise", type=float, default=0.0, metavar="A",
+                        help="EAGLE: add U(-A, A) noise to the token embeddings it reads in training, as the authors' "
+                             "EAGLE does (A = 0.1 there), besides the U(-0.1, 0.1) on its input features; the "
+                             "targets stay clean (default 0: features only)")
     t.add_argument("--kl-weight", type=float, default=None,
                    help="weight of the KL term of the loss (default 0.1, the paper's)")
     t.add_argument("--feature-weight", type=float, default=None,
@@ -93,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from moaspec.fileio import check_output_dir
-    from moaspec.training.trainer import RUN_FILES, RUN_MARKER, TrainConfig, Trainer
+    from moaspec.training.trainer import RUN_FILES, RUN_MARKER, TrainConfig, Trainer, check_recipe_options
 
     check_output_dir(args.output, RUN_MARKER, RUN_FILES)
 
@@ -108,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
     weights = {k: v for k in ("kl_weight", "feature_weight") if (v := getattr(args, k)) is not None}
     if not 0 <= args.segment_long_fraction < 1 or (args.segment_long_fraction > 0 and args.segment_long_max <= args.segment_max):
         raise MoaspecError("--segment-long-fraction must be in [0, 1), and with it --segment-long-max > --segment-max")
+    pseudo_epoch = 0
+    if args.pseudo_epoch is not None:
+        pseudo_epoch = int(args.pseudo_epoch) if args.pseudo_epoch >= 1 else max(1, round(args.pseudo_epoch * args.steps))
     cfg = TrainConfig(
         kind=args.kind, steps=args.steps, tokens_per_batch=args.tokens_per_batch, grad_accum=args.grad_accum, lr=args.lr,
         warmup=args.warmup, max_len=args.max_len, segment_min=args.segment_min, segment_max=args.segment_max,
@@ -115,8 +159,11 @@ def run(args: argparse.Namespace) -> int:
         staircase=not args.no_staircase, val_fraction=args.val_fraction, eval_every=args.eval_every,
         save_every=args.save_every, draft_vocab=args.draft_vocab, tli_layers=args.tli_layers, seed=args.seed,
         mixed_precision=args.mixed_precision, cache_features=not args.no_feature_cache, init_from=args.init_from,
-        same_data_as=args.same_data_as, **weights,
+        same_data_as=args.same_data_as, segment_start_in_memory=args.segment_start_in_memory,
+        segment_periodic=args.segment_periodic, pseudo_epoch=pseudo_epoch, norm_init_std=args.norm_init_std,
+        embedding_noise=args.embedding_noise, **weights,
     )
+    check_recipe_options(cfg)  # before the target loads
     if cfg.kl_weight == cfg.feature_weight == 0:
         raise MoaspecError("--kl-weight and --feature-weight cannot both be 0: nothing would be learnt")
     loaded = options.load_target(args)

@@ -6,7 +6,9 @@ predicts the target's feature at position j (its final hidden state, the input o
 features of verified positions are the target's own; while drafting, the drafter
 feeds its own predictions back. Trained with the same distillation loss as MoA
 (feature regression plus a soft cross-entropy, whose gradient equals the KL term's),
-with uniform noise on the input features as EAGLE does.
+with uniform noise on the input features as EAGLE does, and optionally on the input
+token embeddings too, as the MoA authors' EAGLE does (``embedding_noise``); the
+targets stay clean.
 """
 
 from __future__ import annotations
@@ -45,14 +47,20 @@ class EagleDrafter(Drafter):
         d = cfg.hidden_size
         self.fc = Linear(2 * d, d, bias=False)
         self.layer = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp, cfg.rms_norm_eps)
+        # training only, set by the trainer (``--embedding-noise``): U(−a, a) on the input embeddings
+        self.embedding_noise = 0.0
 
-    def inputs(self, tokens: torch.Tensor, prev_features: torch.Tensor) -> torch.Tensor:
-        """``fc([feature of the previous position ; embedding of this token])``."""
+    def inputs(self, tokens: torch.Tensor, prev_features: torch.Tensor, embedding_noise: float = 0.0) -> torch.Tensor:
+        """``fc([feature of the previous position ; embedding of this token])``, the embedding with
+        U(−``embedding_noise``, ``embedding_noise``) added."""
         emb = self.target.embed(tokens).to(self.weight_dtype)
+        if embedding_noise:
+            emb = emb + (torch.rand_like(emb) * 2 - 1) * embedding_noise
         return self.fc(torch.cat([prev_features.to(self.weight_dtype), emb], dim=-1))
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Teacher-forced pass: predicted features ``[B, S, d]`` from the target's true ones (shifted by one)."""
+        """Teacher-forced pass: predicted features ``[B, S, d]`` from the target's true ones (shifted by one);
+        in training mode its inputs carry the noise (``features`` themselves, the targets, are left clean)."""
         prev = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
         if self.training and self.cfg.feature_noise:
             prev = prev + (torch.rand_like(prev) * 2 - 1) * self.cfg.feature_noise
@@ -60,7 +68,8 @@ class EagleDrafter(Drafter):
         cos, sin = self.rope(torch.arange(S, device=tokens.device))
         if mask is None:
             mask = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()
-        return self.layer.self_attention(self.inputs(tokens, prev), cos, sin, mask)
+        noise = self.embedding_noise if self.training else 0.0
+        return self.layer.self_attention(self.inputs(tokens, prev, noise), cos, sin, mask)
 
     @torch.no_grad()
     def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, depth: int) -> list[torch.Tensor]:

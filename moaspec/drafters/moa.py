@@ -193,6 +193,22 @@ class MoADrafter(Drafter):
         new.attach(target)
         return new
 
+    def start_norms_near_zero(self, std: float = 0.02) -> None:
+        """Draw the gains of SA's, CA's and LSA's pre-norms and of the memory norm from N(0, std²), as the authors'
+        ``_init_weights`` does (their ``initializer_range``, 0.02), instead of starting them at 1.
+
+        Each residual branch then reads inputs scaled nearly to zero, so SA, CA and LSA start close to the
+        identity and the drafter's first prediction is close to the token's own embedding. The memory norm
+        is the counterpart of their CA norm, which normalises the memory as well as the queries; the output
+        norm (N = 0) keeps the target's final norm, which the prediction is compared through.
+        """
+        norms = [self.sa.attn_norm, self.sa.mlp_norm, self.ca.attn_norm, self.ca.mlp_norm, self.memory_norm]
+        if self.uses_lsa:
+            norms += [self.lsa.attn_norm, self.lsa.mlp_norm]
+        with torch.no_grad():
+            for norm in norms:
+                norm.weight.normal_(0.0, std)
+
     def start_out_norm_from(self, target: Transformer) -> None:
         """Start the output norm (N = 0 only) as the target's final norm: the prediction lives in its output space."""
         if self.out_norm is not None:

@@ -24,7 +24,13 @@ from moaspec.models.transformer import Transformer
 from moaspec.training.dataset import Batch
 from moaspec.training.features import TargetOut
 from moaspec.training.losses import FEATURE_WEIGHT, KL_WEIGHT, LossParts, distillation_loss
-from moaspec.training.masks import cross_attention_mask, cycle_starts, segment_starts, self_attention_mask
+from moaspec.training.masks import (
+    cross_attention_mask,
+    cycle_starts,
+    periodic_starts,
+    segment_starts,
+    self_attention_mask,
+)
 
 
 @dataclass
@@ -33,12 +39,17 @@ class Masks:
     ca: torch.Tensor  # [B, S, S]
     starts: torch.Tensor  # [B, S] segment start of each position
     loss: torch.Tensor  # [B, S] response positions of real tokens
+    inclusive: bool = False  # a segment start reads its own memory entry (the authors' training mask; never inference's)
 
 
 def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor, lo: int = 5, hi: int = 15,
-                device: torch.device | str = "cpu", long_hi: int = 0, long_fraction: float = 0.0) -> Masks:
+                device: torch.device | str = "cpu", long_hi: int = 0, long_fraction: float = 0.0,
+                inclusive: bool = False, periodic: bool = False) -> Masks:
     """Training masks: response segments of lengths drawn uniformly from ``lo..hi``
-    (a ``long_fraction`` of them from ``hi+1..long_hi``: :func:`segment_starts`).
+    (a ``long_fraction`` of them from ``hi+1..long_hi``: :func:`segment_starts`; ``periodic``: one
+    length per sequence, :func:`periodic_starts`). ``inclusive``: segment starts read their own
+    memory entry (:func:`cross_attention_mask`). The defaults are inference's masks, which every
+    evaluation uses.
 
     Segment starts are drawn on the CPU (one generator, so a resumed run draws the same
     ones); the masks themselves are built on ``device`` (:func:`masks_from_starts`).
@@ -46,12 +57,14 @@ def build_masks(batch: Batch, generator: torch.Generator, local_sa: torch.Tensor
     B, S = batch.tokens.shape
     starts = torch.zeros(B, S, dtype=torch.long)
     for b in range(B):
-        starts[b, : int(batch.lengths[b])] = segment_starts(int(batch.prompt_lens[b]), int(batch.lengths[b]), generator, lo, hi,
-                                                             long_hi, long_fraction)
-    return masks_from_starts(batch, starts, local_sa, device)
+        p, n = int(batch.prompt_lens[b]), int(batch.lengths[b])
+        starts[b, :n] = periodic_starts(p, n, generator, lo, hi) if periodic else \
+            segment_starts(p, n, generator, lo, hi, long_hi, long_fraction)
+    return masks_from_starts(batch, starts, local_sa, device, inclusive)
 
 
-def masks_from_starts(batch: Batch, starts: torch.Tensor, local_sa: torch.Tensor, device: torch.device | str = "cpu") -> Masks:
+def masks_from_starts(batch: Batch, starts: torch.Tensor, local_sa: torch.Tensor, device: torch.device | str = "cpu",
+                      inclusive: bool = False) -> Masks:
     """Masks for given segment starts (``[B, S]``), padded to the batch; padding rows see position 0 so that no row is empty.
 
     The ``[B, S, S]`` masks are built on ``device`` for the whole batch at once: for a
@@ -64,23 +77,26 @@ def masks_from_starts(batch: Batch, starts: torch.Tensor, local_sa: torch.Tensor
     st = starts.to(device)
     real = (torch.arange(S, device=st.device)[None, :] < batch.lengths.to(device)[:, None])[:, :, None]
     sa = self_attention_mask(st, local_sa.to(device)) & real
-    ca = cross_attention_mask(st, batch.prompt_lens.to(device)) & real
+    ca = cross_attention_mask(st, batch.prompt_lens.to(device), inclusive) & real
     sa[:, :, 0] |= ~sa.any(-1)
     ca[:, :, 0] |= ~ca.any(-1)
-    return Masks(sa, ca, starts, loss)
+    return Masks(sa, ca, starts, loss, inclusive)
 
 
 def tli_mask(masks: Masks, lengths: torch.Tensor) -> torch.Tensor:
-    """``[B, S, 2S]`` for TLI in training: true states before each position's segment start, predicted ones after.
+    """``[B, S, 2S]`` for TLI in training: true states where Cross-Attention's memory reaches (before each
+    position's segment start, or up to it with ``masks.inclusive``), predicted ones after.
 
     Keys ``0..S-1`` are the target's true K/V of the last N layers, keys ``S..2S-1``
     the ones computed from the drafter's predictions — as at inference, where the
     target's cache holds verified positions and the drafter writes drafted ones.
-    Prompt positions see true states before themselves and their own prediction.
+    A position never reads its own true state: prompt positions, and with ``inclusive``
+    segment starts, see true states before themselves and their own prediction.
     """
     B, S = masks.starts.shape
     pos = torch.arange(S)
-    limit = torch.where(masks.loss, masks.starts, pos[None, :].expand(B, S))  # [B, S]
+    verified = torch.minimum(masks.starts + int(masks.inclusive), pos)  # the verified states inference would hold
+    limit = torch.where(masks.loss, verified, pos[None, :].expand(B, S))  # [B, S]
     true_part = pos[None, None, :] < limit[:, :, None]
     pred_part = (pos[None, None, :] >= limit[:, :, None]) & (pos[None, None, :] <= pos[None, :, None])
     real = pos[None, :] < lengths[:, None]

@@ -47,6 +47,8 @@ from moaspec.training.dataset import (
     Example,
     batch_stream,
     collate,
+    data_sources,
+    describe_data,
     draft_vocabulary,
     load_examples,
     make_batches,
@@ -65,7 +67,7 @@ from moaspec.training.distill import (
 )
 from moaspec.training.features import FeatureStore, TargetOut, room_warning
 from moaspec.training.losses import FEATURE_WEIGHT, KL_WEIGHT
-from moaspec.training.masks import staircase_probability
+from moaspec.training.masks import epoch_staircase_probability, staircase_probability
 from moaspec.validation import real_number, whole_number
 
 
@@ -99,6 +101,16 @@ class TrainConfig:
     cache_features: bool = True  # keep the target's features on disk after their first computation
     init_from: str = ""  # start from this exported drafter instead of random weights
     same_data_as: str = ""  # replay this run's shards per epoch and draft vocabulary (a like-for-like comparison)
+    # the authors' recipe (huawei-noah/HEBO, branch mixture-of-attentions), each off by default:
+    segment_start_in_memory: bool = False  # MoA: a segment start reads its own memory entry (their CA mask)
+    segment_periodic: bool = False  # MoA: one segment length per sequence, starts at its multiples (their `every`)
+    pseudo_epoch: int = 0  # > 0: their staircase and peak-then-constant LR over pseudo-epochs of this many updates
+    norm_init_std: float = 0.0  # > 0: MoA from random weights starts its norm gains ~ N(0, std²) instead of 1
+    embedding_noise: float = 0.0  # EAGLE: U(−a, a) on its training input embeddings, besides the features'
+
+
+# with --pseudo-epoch, the learning rate peaks at --lr and settles at --lr / this (the authors' 20 × 3e-5 → 3e-5)
+PEAK_TO_BASE_LR = 20.0
 
 
 # what a run directory holds: progress.json makes it resumable; the logs and state may come before it
@@ -133,7 +145,26 @@ def read_progress(run: Path) -> dict[str, Any]:
     return saved
 
 
-def lr_lambda(cfg: TrainConfig):  # type: ignore[no-untyped-def]
+def lr_lambda(cfg: TrainConfig, calls_per_update: int = 1):  # type: ignore[no-untyped-def]
+    """The learning rate's factor on ``cfg.lr`` at each scheduler call.
+
+    Default: linear warm-up over ``cfg.warmup`` updates, then a cosine decay to ``min_lr_ratio``.
+    With ``cfg.pseudo_epoch`` (the authors' schedule, compressed): warm-up to ``cfg.lr``, the
+    peak, a linear fall to ``cfg.lr / PEAK_TO_BASE_LR`` by the end of the first pseudo-epoch,
+    then that base to the end. Accelerate calls the scheduler once per process and update
+    (``calls_per_update``); the pseudo-epoch schedule counts updates, so that it steps down
+    with the staircase it pairs with on any number of processes.
+    """
+    if cfg.pseudo_epoch:
+        base = 1 / PEAK_TO_BASE_LR
+
+        def peak_then_base(call: int) -> float:
+            step = call // calls_per_update
+            if step < cfg.warmup:
+                return (step + 1) / cfg.warmup
+            return max(base, 1 - (1 - base) * (step - cfg.warmup) / (cfg.pseudo_epoch - cfg.warmup))
+        return peak_then_base
+
     def f(step: int) -> float:
         if step < cfg.warmup:
             return (step + 1) / cfg.warmup
@@ -181,6 +212,29 @@ def inherited_lineage(drafter_dir: Path) -> list[str]:
     return []
 
 
+def check_recipe_options(cfg: TrainConfig) -> None:
+    """Refuse a combination of the authors'-recipe options that cannot train what it says (MoaspecError)."""
+    if cfg.kind != "moa" and (cfg.segment_start_in_memory or cfg.segment_periodic or cfg.norm_init_std):
+        raise MoaspecError("--segment-start-in-memory, --segment-periodic and --norm-init-std apply to MoA drafters only")
+    if cfg.segment_start_in_memory and cfg.segment_min < 2:
+        raise MoaspecError("--segment-start-in-memory needs --segment-min >= 2: a segment's start reads its own memory "
+                           "entry, so a one-position segment would train no draft that inference makes")
+    if cfg.segment_periodic and cfg.segment_long_fraction:
+        raise MoaspecError("--segment-periodic draws one length per sequence; it cannot mix in --segment-long-fraction")
+    if cfg.pseudo_epoch < 0 or (cfg.pseudo_epoch and cfg.warmup >= cfg.pseudo_epoch):
+        raise MoaspecError(f"--pseudo-epoch ({cfg.pseudo_epoch} updates) must be longer than --warmup ({cfg.warmup}): "
+                           "the learning rate falls from its peak to the base over the rest of the first pseudo-epoch")
+    if not (math.isfinite(cfg.norm_init_std) and 0 <= cfg.norm_init_std <= 1):
+        raise MoaspecError(f"--norm-init-std must be in [0, 1], got {cfg.norm_init_std}")
+    if cfg.norm_init_std and cfg.init_from:
+        raise MoaspecError("--norm-init-std sets how a drafter from random weights starts; an --init-from drafter "
+                           "keeps its trained norms")
+    if not (math.isfinite(cfg.embedding_noise) and 0 <= cfg.embedding_noise <= 1):
+        raise MoaspecError(f"--embedding-noise must be in [0, 1], got {cfg.embedding_noise}")
+    if cfg.embedding_noise and cfg.kind != "eagle":
+        raise MoaspecError("--embedding-noise applies to EAGLE drafters only")
+
+
 class Trainer:
     def __init__(self, target: LoadedModel, data: Path | Sequence[Path], out: Path, cfg: TrainConfig,
                  sizes: dict[str, Any] | None = None, progress: bool = True, compile: bool = False) -> None:
@@ -190,6 +244,7 @@ class Trainer:
         from accelerate import Accelerator
 
         self.cfg, self.out, self.progress = cfg, out, progress
+        check_recipe_options(cfg)
         if cfg.same_data_as and cfg.init_from:
             raise MoaspecError("--same-data-as and --init-from each decide the draft vocabulary: give one of them")
         on_cpu = target.model.device.type == "cpu"
@@ -219,9 +274,11 @@ class Trainer:
             drafter = self._warm_start(target, Path(cfg.init_from), sizes or {})
             self.inherited_lineage = inherited_lineage(Path(cfg.init_from))
         elif cfg.kind == "moa":
-            # Cross-Attention's reach: the longest query-to-memory distance these segments show
+            # Cross-Attention's reach: the longest query-to-memory distance these segments show (a segment
+            # of n positions whose start reads its own entry reaches n − 1 past it, otherwise n)
             drafter = MoADrafter(MoAConfig.for_target(target.cfg, tli_layers=cfg.tli_layers, draft_vocab_size=cfg.draft_vocab,
-                                                      ca_reach=cfg.segment_max, **(sizes or {})))
+                                                      ca_reach=cfg.segment_max - int(cfg.segment_start_in_memory),
+                                                      **(sizes or {})))
         elif cfg.kind == "eagle":
             drafter = EagleDrafter(EagleConfig.for_target(target.cfg, draft_vocab_size=cfg.draft_vocab, **(sizes or {})))
         elif cfg.kind == "independent":
@@ -240,6 +297,10 @@ class Trainer:
             drafter.set_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, eos, target.cfg.vocab_size))
         if isinstance(drafter, MoADrafter) and not cfg.init_from:
             drafter.start_out_norm_from(target.model)
+            if cfg.norm_init_std:  # drawn after every other weight: with the same seed those start as without it
+                drafter.start_norms_near_zero(cfg.norm_init_std)
+        if isinstance(drafter, EagleDrafter):
+            drafter.embedding_noise = cfg.embedding_noise
         drafter = drafter.to(target.model.device)
         drafter.attach(target.model)
         drafter.train()
@@ -247,7 +308,7 @@ class Trainer:
             compile_training_forward(drafter)
         self.raw = drafter
         optim = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg))
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg, self.acc.num_processes))
         self.model, self.optim, self.sched = self.acc.prepare(drafter, optim, sched)
         self.step, self.tokens, self.wall = 0, 0, 0.0
         self._resume()
@@ -393,7 +454,8 @@ class Trainer:
 
     def summary(self, final: bool) -> dict[str, Any]:
         return {
-            "data": [str(d) for d in self.data_dirs], "first_epoch_train_examples": len(self.train_set),
+            "data": [describe_data(d) for d in self.data_dirs],
+            "data_sources": [data_sources(d) for d in self.data_dirs], "first_epoch_train_examples": len(self.train_set),
             "val_examples": len(self.val_set), "epoch_shards": self.epoch_shards,
             "steps": self.step, "tokens": self.tokens, "wall_s": round(self.wall, 1), "finished": final,
             "processes": self.acc.num_processes, "mixed_precision": self.acc.mixed_precision,
@@ -474,10 +536,14 @@ class Trainer:
 
     def micro_batch(self, batch: Batch, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.cfg
-        p = staircase_probability(self.step, cfg.steps) if cfg.staircase else 0.0
+        p = 0.0
+        if cfg.staircase:
+            p = epoch_staircase_probability(self.step, cfg.pseudo_epoch) if cfg.pseudo_epoch else \
+                staircase_probability(self.step, cfg.steps)
         local = torch.rand(batch.tokens.shape[0], generator=gen) < p
         masks = build_masks(batch, gen, local, cfg.segment_min, cfg.segment_max, self.acc.device,
-                            cfg.segment_long_max, cfg.segment_long_fraction)
+                            cfg.segment_long_max, cfg.segment_long_fraction, cfg.segment_start_in_memory,
+                            cfg.segment_periodic)
         tgt = self.target_features(batch)
         with self.acc.autocast():
             out = drafter_loss(self.raw, self.target.model, batch, masks, tgt, wrapped=self.model,
@@ -554,6 +620,8 @@ class Trainer:
         on it; ``val_first_draft`` is the top-1 of those cycles' first drafts, the step
         where MoA trails EAGLE (BENCHMARKS.md). ``val_tau_chain6`` is left out for EAGLE,
         which teacher forcing feeds the target's true features inside segments.
+        All of them use inference's masks (a cycle's first draft reads memory up to one token
+        back), whatever masks training uses (``segment_start_in_memory``, ``segment_periodic``).
         """
         cfg = self.cfg
         self.model.eval()
