@@ -463,3 +463,228 @@ def test_a_template_that_refuses_system_messages(tiny_dirs, tmp_path: Path, perm
     assert sum(s["records"] for s in manifest["shards"]) >= CFG.examples
     assert main(["generate", "hi", "--system", "Be brief.", "--model", str(model_dir)]) == 2
     assert "System role not supported" in capsys.readouterr().err
+
+
+# --- directories of prompt files, by category (--prompts DIR, --balance, --categories, --exclude-questions) ---
+
+from moaspec.training.datagen import balanced_choice  # noqa: E402
+from moaspec.training.dataset import data_sources, describe_data  # noqa: E402
+from moaspec.training.user_text import QuestionOverlap  # noqa: E402
+
+
+def _jsonl(path: Path, items: list[object]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(i) + "\n" for i in items))
+    return path
+
+
+def _prompt_dir(root: Path, short: int = 30, long: int = 12) -> Path:
+    """Three files: short questions (category qa), passages to summarise (category sum, one of them multi-turn) and
+    a file whose items name no category (its own: its file's name); a README that is not read."""
+    _jsonl(root / "a_questions.jsonl", [{"turns": [f"Short question number {k}?"], "category": "qa", "source": "x/qa"}
+                                        for k in range(short)])
+    _jsonl(root / "b_articles.jsonl", [{"turns": [f"Summarise article number {k}: " + "words " * 8]
+                                        + ([f"Shorter, please {k}.", f"Once more {k}."] if k == 0 else []),
+                                        "category": "sum"} for k in range(long)])
+    (root / "c_plain.json").write_text(json.dumps(["Plain prompt one, no category.", "Plain prompt two, none."]))
+    (root / "README.md").write_text("not a prompt file")
+    return root
+
+
+def test_a_prompt_directory_is_read_file_by_file_with_categories(tmp_path: Path) -> None:
+    root = _prompt_dir(tmp_path / "prompts")
+    user = load_user_text(root, None, 100, 10)
+    assert len(user.prompts) == 30 + 12 + 2 and user.categorised
+    assert [f.path for f in user.files] == ["a_questions.jsonl", "b_articles.jsonl", "c_plain.json"]
+    assert set(user.categories) == {"qa", "sum", "c_plain"}  # a conversation without one: its file's name
+    assert user.files[0].sources == ("x/qa",) and user.files[1].conversations == 12
+    files = user.about["files"]
+    assert [(f["read"], f["kept"]) for f in files] == [(30, 30), (12, 12), (2, 2)] and "excluded" not in files[0]
+    identity = dict(user.identity)["prompts"]
+    assert identity["files"] == 3 and identity["conversations"] == 44
+
+    # several paths: named relative to the folder they share; --categories keeps those alone; --part splits the rest
+    other = _jsonl(tmp_path / "more" / "d.jsonl", [{"prompt": "Another one here?", "category": "qa"}])
+    several = load_user_text([root / "b_articles.jsonl", other], None, 100, 10, categories=["qa", "sum"])
+    assert [f.path for f in several.files] == ["prompts/b_articles.jsonl", "more/d.jsonl"]
+    assert len(several.prompts) == 13 and dict(several.identity)["prompts"]["categories"] == ["qa", "sum"]
+    halves = [load_user_text(root, None, 100, 10, part=(k, 2), categories=["qa"]) for k in (1, 2)]
+    assert [len(h.prompts) for h in halves] == [15, 15] and halves[0].prompts == user.prompts[0:30:2]
+    # one file alone keeps the identity a data directory made from it has always recorded
+    single = load_user_text(root / "a_questions.jsonl", None, 100, 10)
+    assert dict(single.identity)["prompts"] == {"sha256": single.files[0].sha256, "conversations": 30}
+
+    (tmp_path / "empty").mkdir()
+    _jsonl(tmp_path / "bad" / "no_turns.jsonl", [{"text": "no turns here"}])
+    _jsonl(tmp_path / "badcat" / "p.jsonl", [{"turns": ["ok"], "category": 7}])
+    for paths, says in (([tmp_path / "empty"], "holds no .jsonl or .json file"),
+                        ([tmp_path / "bad"], "no_turns.jsonl: line 1 is not a prompt"),
+                        ([tmp_path / "badcat"], 'the "category" of line 1 is not a name'),
+                        ([root, root / "c_plain.json"], "names " + re.escape(str(root / "c_plain.json")) + " twice"),
+                        ([tmp_path / "nowhere"], "does not exist")):
+        with pytest.raises(MoaspecError, match=says):
+            load_user_text(paths, None, 100, 10)
+    with pytest.raises(MoaspecError, match="no conversation of .* is in 'code'; its categories are c_plain, qa, sum"):
+        load_user_text(root, None, 100, 10, categories=["qa", "code"])
+
+
+def test_balancing_takes_from_the_category_whose_answers_hold_the_fewest_tokens() -> None:
+    queues = {"long": list(range(0, 50)), "short": list(range(100, 150))}
+    # short answers lag: the next conversation is short's next one, and most of a shard goes to it, not all
+    counts = {"long": {"started": 2, "answered": 2, "answer_tokens": 200},
+              "short": {"started": 3, "answered": 2, "answer_tokens": 20}}  # one passed over: too long
+    picks, passed = balanced_choice(queues, counts, 10, prior=8)
+    assert picks[0] == 103 and sum(p >= 100 for p in picks) == 9 and 2 in picks and passed == []
+    counts = {"long": {"started": 2, "answered": 2, "answer_tokens": 20},
+              "short": {"started": 2, "answered": 2, "answer_tokens": 200}}
+    assert balanced_choice(queues, counts, 1, prior=8) == ([2], [])
+    # before any answer, the categories alternate (ties go to the first name); a used-up category drops out
+    assert balanced_choice(queues, {}, 4, prior=8) == ([0, 100, 1, 101], [])
+    assert balanced_choice({"a": [0], "b": [1, 2, 3]}, {}, 10, prior=8) == ([0, 1, 2, 3], [])
+    # conversations too long for the context are passed over (and used up), not chosen
+    assert balanced_choice(queues, {}, 4, prior=8, fits=lambda k: k >= 100 or k % 2) == ([1, 100, 3, 101], [0, 2])
+    assert balanced_choice(queues, {}, 3, prior=8, fits=lambda k: k >= 100) == ([100, 101, 102], list(range(50)))
+
+
+@pytest.fixture()
+def answers_by_category(tiny_llama, monkeypatch):  # type: ignore[no-untyped-def]
+    """Decoding that answers a summary at length (24 tokens) and anything else briefly (3 tokens)."""
+    from moaspec.training import datagen
+
+    tok = tiny_llama.tokenizer
+
+    def fake_generate_many(model, requests, stop, gen, batch_size):  # type: ignore[no-untyped-def]
+        out = []
+        for r in requests:
+            n = 24 if "Summarise" in tok.decode(r.prompt) else 3
+            out.append((tok(" word" * n, add_special_tokens=False)["input_ids"][: min(n, r.max_new_tokens)], True))
+        return out
+
+    monkeypatch.setattr(datagen, "generate_many", fake_generate_many)
+    return tok
+
+
+def test_a_balanced_run_gives_each_category_like_answer_tokens_resumes_exactly_and_counts_each_file(  # type: ignore[no-untyped-def]
+        tiny_llama, tmp_path: Path, answers_by_category) -> None:
+    root = _prompt_dir(tmp_path / "prompts", short=120, long=40)
+    user = load_user_text(root, None, 100, 10, categories=["qa", "sum"])
+    cfg = DataConfig(examples=60, shard_size=8, max_answer_tokens=32, pasted_fraction=0.0, balance="answer-tokens",
+                     max_turns=2)
+    whole = generate_dataset(tiny_llama, tmp_path / "whole", cfg, progress=False, user=user)
+    part = tmp_path / "resumed"
+    generate_dataset(tiny_llama, part, DataConfig(**{**cfg.__dict__, "examples": 10}), progress=False, user=user)
+    assert len(json.loads((part / "manifest.json").read_text())["shards"]) == 2  # interrupted after two shards
+    resumed = generate_dataset(tiny_llama, part, cfg, progress=False, user=user)
+    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in whole["shards"]]
+    assert resumed["prompts"] == {**whole["prompts"], "given": resumed["prompts"]["given"]}
+
+    records = [r for s in whole["shards"] for r in read_shard(tmp_path / "whole" / s["file"])]
+    prompts = whole["prompts"]
+    assert prompts["balance"] == "answer-tokens" and prompts["counted_from_shard"] == 0
+    for row in prompts["files"]:  # the manifest's counts per file are the records' own
+        mine = [r for r in records if r["prompt_file"] == row["path"]]
+        assert row["turns"] == len(mine) and row["answer_tokens"] == sum(len(r["answer_ids"]) for r in mine)
+        assert row["answered"] == sum(r["turn"] == 0 for r in mine) <= row["started"] <= row["kept"]
+    cats = prompts["categories"]
+    assert prompts["files"][2]["kept"] == 0 and set(cats) == {"qa", "sum"}  # --categories left c_plain out
+    assert sum(c["started"] for c in cats.values()) == len(whole["shards"]) * cfg.shard_size
+    # like answer tokens, from many more short conversations than long ones
+    assert 0.6 < cats["qa"]["answer_tokens"] / cats["sum"]["answer_tokens"] < 1.6
+    assert cats["qa"]["answered"] > 4 * cats["sum"]["answered"]
+    # what a trainer records of the data: the files that gave answers, the tokens per category
+    assert data_sources(tmp_path / "whole") == prompts
+    line = describe_data(tmp_path / "whole")
+    assert "a_questions.jsonl, b_articles.jsonl;" in line and f"qa {cats['qa']['answer_tokens'] / 1e6:.2f} M" in line
+
+    # a balanced run goes on until every conversation is started, then ends
+    done = generate_dataset(tiny_llama, tmp_path / "all", DataConfig(**{**cfg.__dict__, "examples": 10_000}),
+                            progress=False, user=user)
+    assert sum(c["started"] for c in done["prompts"]["categories"].values()) == len(user.prompts) == 160
+    # every turn of a multi-turn conversation answered in turn, up to --max-turns (2 of its 3 here)
+    records = [r for s in done["shards"] for r in read_shard(tmp_path / "all" / s["file"])]
+    (conv,) = {r["id"].rsplit("-", 1)[0] for r in records if r["query"].startswith("Summarise article number 0:")}
+    assert [r["query"] for r in records if r["id"].startswith(conv + "-")][1:] == ["Shorter, please 0."]
+    # a directory made in file order (as all were before --balance) is not extended by a balanced run, and says so
+    generate_dataset(tiny_llama, tmp_path / "old", DataConfig(**{**cfg.__dict__, "examples": 4, "balance": None}),
+                     progress=False, user=user)
+    with pytest.raises(MoaspecError, match=r"\(what differs: config.balance\); a directory begun before --balance"):
+        generate_dataset(tiny_llama, tmp_path / "old", cfg, progress=False, user=user)
+
+
+def test_a_category_too_long_for_the_context_is_passed_over_not_chosen_forever(  # type: ignore[no-untyped-def]
+        tiny_llama, tmp_path: Path, answers_by_category) -> None:
+    root = _prompt_dir(tmp_path / "prompts", short=40, long=2)
+    _jsonl(root / "d_huge.jsonl", [{"turns": [f"Huge {k} " + "word " * 300], "category": "huge"} for k in range(20)])
+    user = load_user_text(root, None, 100, 10, categories=["qa", "huge"])
+    cfg = DataConfig(examples=24, shard_size=8, max_answer_tokens=16, pasted_fraction=0.0, balance="answer-tokens")
+    manifest = generate_dataset(tiny_llama, tmp_path / "d", cfg, progress=False, user=user)
+    huge, qa = manifest["prompts"]["categories"]["huge"], manifest["prompts"]["categories"]["qa"]
+    assert huge["started"] == 20 and huge["answered"] == 0  # all taken in the first shard, none answered
+    assert qa["answered"] == qa["started"] == 24 == sum(s["records"] for s in manifest["shards"])
+
+
+def test_the_overlap_guard_finds_equal_text_and_60_characters_in_common() -> None:
+    import random
+
+    rng = random.Random(0)
+    shared = " ".join("".join(rng.choice("abcdefghijklm") for _ in range(rng.randint(2, 7))) for _ in range(40))
+    question = "qq " + shared[:300] + " qq"
+    guard = QuestionOverlap(["What is the capital of France?", question])
+    assert guard.overlaps("what is the CAPITAL of   France!!") and not guard.overlaps("What is the capital of Spain?")
+    for start in range(0, 40):  # wherever the run falls against the stride; "x" is in neither text
+        run = shared[start : start + 60]
+        assert guard.overlaps("xx" + run + "xx") and guard.overlaps(f"Some words first. {run}x")
+        assert not guard.overlaps("xx" + run[:59] + "xx") and not guard.overlaps("xx" + run[1:] + "xx")
+    assert not guard.overlaps("")
+
+
+def test_exclude_questions_leaves_out_overlapping_prompts_and_passages(tmp_path: Path) -> None:
+    questions = tmp_path / "specbench"
+    article = "The committee met on a rainy Tuesday to review the budget of the harbour authority in detail."
+    _jsonl(questions / "qa.jsonl", [{"question_id": 1, "turns": ["Who wrote the novel about the white whale?"]}])
+    _jsonl(questions / "sum.jsonl", [{"question_id": 2, "turns": [f"Summarize: {article}"]}])
+    root = tmp_path / "prompts"
+    _jsonl(root / "a.jsonl", [{"turns": ["who wrote the novel about the WHITE whale"], "category": "qa"},  # equal
+                              {"turns": ["Who painted the ceiling of the chapel?"], "category": "qa"}])
+    _jsonl(root / "b.jsonl", [{"turns": ["Hello there, a fine day.", f"Please give me the gist: {article[5:80]}"],
+                               "category": "mt_bench"},  # a later turn holds 75 characters of the article
+                              {"turns": ["Summarise the harbour news in two lines."], "category": "sum"}])
+    passages = tmp_path / "docs.txt"
+    passages.write_text(f"{article}\n\n" + "An unrelated paragraph about gardens and their flowers. " * 2)
+    user = load_user_text(root, passages, 30, 10, exclude_questions=questions)  # passages of 40-120 characters
+    assert user.prompts == (("Who painted the ceiling of the chapel?",), ("Summarise the harbour news in two lines.",))
+    assert [f["excluded"] for f in user.about["files"]] == [1, 1] and user.about["excluded_conversations"] == 2
+    assert user.about["excluded_passages"] == 1 and len(user.passages) == 1 and "gardens" in user.passages[0]
+    assert user.about["excluded_by"]["path"] == str(questions.resolve())
+    assert dict(user.identity)["exclude_questions"]["questions"] == 2
+    with pytest.raises(MoaspecError, match="every conversation of .* overlaps a question"):
+        load_user_text(root / "a.jsonl", None, 100, 10, categories=None,
+                       exclude_questions=_jsonl(tmp_path / "q2.jsonl", [{"turns": ["Who painted the ceiling of the "
+                                                                                  "chapel?"]}, {"turns": ["Who wrote "
+                                                                                  "the novel about the white whale"]}]))
+    with pytest.raises(MoaspecError, match="no SpecBench .jsonl question files"):
+        load_user_text(root, None, 100, 10, exclude_questions=tmp_path / "nowhere")
+
+
+def test_data_command_over_a_prompt_directory(tiny_dirs, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from moaspec.cli import main
+
+    root = _prompt_dir(tmp_path / "prompts", short=6, long=3)
+    questions = _jsonl(tmp_path / "specbench" / "qa.jsonl", [{"turns": ["Short question number 4?"]}])
+    base = ["data", "--model", str(tiny_dirs["llama"]), "--no-progress", "--prompts", str(root), "--pasted-fraction",
+            "0", "--max-answer-tokens", "8", "--shard-size", "4", "--examples", "6"]
+    assert main([*base, "--output", str(tmp_path / "d"), "--exclude-questions", str(questions.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "left out 1 conversation(s) of" in out and "answer tokens by category, answer-tokens balance: c_plain" in out
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["identity"]["config"]["balance"] == "answer-tokens" and manifest["prompts"]["files"][0]["kept"] == 5
+    for extra, says in ((["--categories", "qa,nope"], "no conversation of .* is in 'nope'"),
+                        (["--categories", "qa,,sum"], "names separated by commas"),
+                        (["--max-turns", "0"], "--max-turns must be >= 1"),
+                        (["--prompts", str(tmp_path / "specbench" / "none")], "does not exist")):
+        assert main([*base, "--output", str(tmp_path / "never"), *extra]) == 2
+        assert re.search(says, capsys.readouterr().err)
+        assert not (tmp_path / "never").exists()
+    assert main(["data", "--model", str(tiny_dirs["llama"]), "--output", str(tmp_path / "never"), "--balance",
+                 "none"]) == 2
+    assert "--balance applies to the conversations of --prompts" in capsys.readouterr().err

@@ -9,21 +9,28 @@ questions about a passage paste one of those answers under an instruction, so th
 holds long contexts too. Some conversations get a second, model-written user turn and
 its answer (multi-turn).
 
-With ``--prompts`` the user turns come from the user's own file instead (the target
+With ``--prompts`` the user turns come from the user's own files instead (the target
 still answers every turn, so the set stays the target's own distribution), and with
-``--passages`` the pasted texts are the user's documents (see ``user_text``).
+``--passages`` the pasted texts are the user's documents (see ``user_text``). Prompts
+that name their category are taken, with ``balance``, category by category so that each
+category's answers hold about as many tokens as any other's (a summary's answer is long,
+a factual answer short); the manifest counts what each file and category gave.
 
 Each record is one assistant turn: ``prompt_ids`` (the conversation as the model saw
 it) and ``answer_ids`` (the target's tokens; the loss applies to these). Shards are
-JSONL files written atomically; ``manifest.json`` lists finished shards, so an
-interrupted run resumes at the next shard and produces exactly the same data.
+JSONL files written atomically; ``manifest.json`` lists finished shards (and, with
+``--prompts``, how many conversations and answer tokens each file and category has given
+so far, which is all the balancing reads), so an interrupted run resumes at the next
+shard and produces exactly the same data.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +45,7 @@ from moaspec.errors import MoaspecError, PromptError
 from moaspec.fileio import atomic_write_text
 from moaspec.models.loading import LoadedModel
 from moaspec.progress import progress_bar
-from moaspec.training.dataset import read_manifest, shard_records
+from moaspec.training.dataset import damaged_data, read_manifest, shard_records
 from moaspec.training.user_text import UserText
 
 # System messages that steer the model towards a task family when it writes a user prompt.
@@ -76,6 +83,7 @@ PLACEHOLDER = "\u2063QUERY\u2063"
 GENERATOR = 2
 # `moaspec data` gives up after this many shards in a row without a record, and at least this many tries
 STALL_SHARDS, STALL_CONVERSATIONS = 3, 64
+COUNTS = ("started", "answered", "turns", "answer_tokens")  # what the manifest counts per prompt file and category
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class DataConfig:
     query_temperature: float = 1.0
     seed: int = 0
     pasted_fraction: float | None = None  # share of conversations that paste a text (None: 2 of 7, as many as a family)
+    balance: str | None = None  # "answer-tokens": --prompts taken by category (see balanced_choice); None: file order
+    max_turns: int | None = None  # user turns answered per --prompts conversation at most (None: all)
 
 
 def pre_query_prefix(tokenizer: Any, history: list[dict[str, str]]) -> str:
@@ -136,10 +146,12 @@ class DataWriter:
         if self.manifest_path.exists():
             manifest = read_manifest(out)  # a damaged one is refused, naming the file
             if manifest["identity"] != identity:
-                raise MoaspecError(
-                    f"{out} holds data made with other settings, another model or an older moaspec; "
-                    "choose a new --output directory"
-                )
+                differ = identity_difference(manifest["identity"], identity)
+                hint = ("; a directory begun before --balance existed resumes with --balance none"
+                        if differ == ["config.balance"] and "balance" not in manifest["identity"].get("config", {}) else
+                        "; choose a new --output directory")
+                raise MoaspecError(f"{out} holds data made with other settings, another model or an older moaspec "
+                                   f"(what differs: {', '.join(differ)}){hint}")
             self.manifest = manifest
         else:
             out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +169,8 @@ class DataWriter:
     def next_shard(self) -> int:
         return len(self.manifest["shards"])
 
-    def add_shard(self, records: list[dict[str, Any]]) -> None:
+    def add_shard(self, records: list[dict[str, Any]], prompts: dict[str, Any] | None = None) -> None:
+        """Write a shard, then the manifest that lists it (with ``prompts``, the prompts' counts that include it)."""
         name = f"shard-{self.next_shard:05d}.jsonl"
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         atomic_write_text(self.out / name, text)
@@ -166,7 +179,21 @@ class DataWriter:
             "answer_tokens": sum(len(r["answer_ids"]) for r in records),
             "sha256": hashlib.sha256(text.encode()).hexdigest(),
         })
+        if prompts is not None:
+            self.manifest["prompts"] = prompts
         atomic_write_text(self.manifest_path, json.dumps(self.manifest, indent=1))
+
+
+def identity_difference(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """The keys (``config.seed``, ``prompts.sha256``...) whose values differ between two identities."""
+    differ: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differ += identity_difference(a, b, f"{prefix}{key}.")
+        elif a != b:
+            differ.append(f"{prefix}{key}")
+    return differ
 
 
 def pick_families(cfg: DataConfig, shard: int) -> tuple[torch.Generator, list[str]]:
@@ -190,27 +217,98 @@ def slots_before(cfg: DataConfig, shard: int) -> tuple[int, int]:
     return shard * cfg.shard_size - pasted, pasted
 
 
+def category_queues(user: UserText, seed: int) -> dict[str, list[int]]:
+    """Each category's conversations (indices into ``user.prompts``) in the order a balanced run takes them:
+    shuffled, deterministic given ``seed``, so that a run stopped early has sampled every file of a category."""
+    members: dict[str, list[int]] = {}
+    for k, category in enumerate(user.categories):
+        members.setdefault(category, []).append(k)
+    rng = torch.Generator().manual_seed(seed * 6_007 + 11)
+    return {c: [members[c][i] for i in torch.randperm(len(members[c]), generator=rng).tolist()] for c in sorted(members)}
+
+
+def balanced_choice(queues: dict[str, list[int]], counts: dict[str, dict[str, int]], n: int, prior: float,
+                    fits: Callable[[int], bool] = lambda k: True) -> tuple[list[int], list[int]]:
+    """The next ``n`` conversations of ``queues`` (each category's, in order), each from the category whose
+    answers hold the fewest tokens, counting those of the conversations chosen before it; and those passed over
+    on the way because they do not ``fit`` the model's context (a category that never fits is used up, not
+    chosen forever).
+
+    ``counts[c]`` holds how many of category ``c``'s conversations were taken so far
+    (``started``, answered or passed over), how many were answered (``answered``) and the
+    tokens their answers hold (``answer_tokens``). The answers of this shard's
+    conversations are not written yet, so each adds its category's mean per answered
+    conversation so far, smoothed towards the mean of all categories (``prior`` before
+    any): the lagging category gets the most of the shard, not all of it. Ties go to the
+    first name; a category used up drops out. A pure function of its arguments, so a
+    resumed run makes the same choices.
+    """
+    started = {c: counts.get(c, {}).get("started", 0) for c in queues}
+    answered = {c: counts.get(c, {}).get("answered", 0) for c in queues}
+    expected = {c: float(counts.get(c, {}).get("answer_tokens", 0)) for c in queues}
+    everyone = sum(answered.values())
+    overall = max(sum(expected.values()) / everyone, 1.0) if everyone else prior
+    mean = {c: (expected[c] + overall) / (answered[c] + 1) for c in queues}
+    chosen: list[int] = []
+    passed: list[int] = []
+    while len(chosen) < n:
+        left = [c for c in queues if started[c] < len(queues[c])]
+        if not left:
+            break
+        c = min(left, key=lambda c: (expected[c], c))
+        k = queues[c][started[c]]
+        started[c] += 1
+        if fits(k):
+            chosen.append(k)
+            expected[c] += mean[c]
+        else:
+            passed.append(k)
+    return chosen, passed
+
+
+def conversations_for(cfg: DataConfig, shard: int, user: UserText, counts: dict[str, dict[str, int]] | None = None,
+                      fits: Callable[[int], bool] = lambda k: True) -> tuple[list[int], list[int]]:
+    """Which conversations of ``user.prompts`` shard ``shard`` starts, one per written-prompt slot, and which it
+    passes over: the next ones in file order (none passed over: one that does not fit is started and
+    not answered), or with ``cfg.balance`` the :func:`balanced_choice` given the categories' ``counts`` so far."""
+    slots = sum(t in TASKS for t in pick_families(cfg, shard)[1])
+    if cfg.balance is None:
+        first = slots_before(cfg, shard)[0]
+        return list(range(first, min(first + slots, len(user.prompts)))), []
+    if not user.categories:
+        raise MoaspecError("--balance needs the prompts' categories")
+    return balanced_choice(category_queues(user, cfg.seed), counts or {}, slots, cfg.max_answer_tokens / 2, fits)
+
+
 def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str],
-               user: UserText = UserText()) -> list[dict[str, Any]]:
-    """Generate one shard's conversations; deterministic given (seed, shard) and ``user``'s text."""
+               user: UserText = UserText(), chosen: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Generate one shard's conversations; deterministic given (seed, shard) and ``user``'s text. ``chosen``: the
+    conversations of ``user.prompts`` it starts (default: the next ones in file order)."""
     tok = model.tokenizer
     stop = stop_token_ids(model.model, tok)
     # sampling draws on the logits' device (a CPU generator cannot drive CUDA sampling); the
     # data is reproducible per device type, and CPU-made data is unchanged
     gen = torch.Generator(device=model.model.device).manual_seed(cfg.seed * 1_000_003 + shard)
     rng, picks = pick_families(cfg, shard)
-    written_before, pasted_before = slots_before(cfg, shard) if user.prompts or user.passages else (0, 0)
+    pasted_before = slots_before(cfg, shard)[1] if user.passages else 0
     query_params = SamplingParams(temperature=cfg.query_temperature)
     answer_params = SamplingParams(temperature=cfg.answer_temperature)
     records: list[dict[str, Any]] = []
     convs: list[dict[str, Any]] = []
     context = model.cfg.max_position_embeddings  # a request must fit with its whole budget
 
-    def add_conversation(task: str, query: str, later: tuple[str, ...] = ()) -> None:
+    def origin_of(k: int | None) -> dict[str, str]:
+        """What a record of conversation ``k`` of ``user.prompts`` says of where it came from."""
+        if k is None or not user.files:
+            return {}
+        return {"category": user.categories[k], "prompt_file": user.files[user.origins[k]].path}
+
+    def add_conversation(task: str, query: str, later: tuple[str, ...] = (), origin: int | None = None) -> None:
         key = normalise(query)
         if key not in seen:
             seen.add(key)
             convs.append({"task": task, "messages": [{"role": "user", "content": query}], "later": list(later),
+                          "origin": origin,
                           "greedy": bool(torch.rand(1, generator=rng) < cfg.greedy_fraction),
                           "follow": bool(torch.rand(1, generator=rng) < cfg.multi_turn)})
 
@@ -238,7 +336,7 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str],
             records.append({
                 "id": f"{shard}-{i}-{turn}", "task": c["task"], "turn": turn, "query": c["messages"][-1]["content"],
                 "sampling": "greedy" if c["greedy"] else f"t{cfg.answer_temperature}",
-                "prompt_ids": prompt, "answer_ids": ids, "finished": finished,
+                "prompt_ids": prompt, "answer_ids": ids, "finished": finished, **origin_of(c["origin"]),
             })
             c["messages"].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
 
@@ -246,8 +344,9 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str],
     #    the next conversations of the user's --prompts file
     written = [t for t in picks if t in TASKS]
     if user.prompts:
-        for turns in user.prompts[written_before: written_before + len(written)]:
-            add_conversation(USER_TASK, turns[0], turns[1:])
+        for k in conversations_for(cfg, shard, user)[0] if chosen is None else chosen:
+            turns = user.prompts[k]
+            add_conversation(USER_TASK, turns[0], turns[1:cfg.max_turns], k)
     else:
         for task, query in zip(written, write_queries([steering(tok, t) for t in written])):
             if query is not None:
@@ -308,22 +407,71 @@ def make_shard(model: LoadedModel, cfg: DataConfig, shard: int, seen: set[str],
 def generate_dataset(model: LoadedModel, out: Path, cfg: DataConfig, progress: bool = True,
                      user: UserText = UserText()) -> dict[str, Any]:
     """Fill ``out`` with shards until ``cfg.examples`` records exist, or every conversation of ``user``'s prompt
-    file has been started; resume where a previous run stopped."""
+    files has been started; resume where a previous run stopped."""
     config = {k: v for k, v in asdict(cfg).items() if k != "examples" and v is not None}
     identity = {"model": model.fingerprint, "config": config, "generator": GENERATOR, **dict(user.identity)}
+    if cfg.balance and not user.files:
+        raise MoaspecError("--balance takes the conversations of --prompts files by category; give --prompts")
     writer = DataWriter(out, identity)
+    tally = PromptTally(user, cfg, writer) if user.files else None
+    room = model.cfg.max_position_embeddings - cfg.max_answer_tokens
+
+    def fits(k: int) -> bool:  # the first turn and its answer fit the context (as make_shard asks)
+        return len(encode_chat(model.tokenizer, [{"role": "user", "content": user.prompts[k][0]}])) <= room
     bar = progress_bar(total=cfg.examples, initial=min(writer.records, cfg.examples), unit="turn", disable=not progress,
                        desc="moaspec data")
     while writer.records < cfg.examples:
-        if user.prompts and slots_before(cfg, writer.next_shard)[0] >= len(user.prompts):
-            break  # the prompt file is used up
+        counts = tally.block["categories"] if tally else {}
+        if user.prompts and len(user.prompts) <= (sum(c["started"] for c in counts.values()) if cfg.balance
+                                                  else slots_before(cfg, writer.next_shard)[0]):
+            break  # the prompt files are used up
+        chosen, passed = conversations_for(cfg, writer.next_shard, user, counts, fits) if user.prompts else ([], [])
         check_not_stalled(writer.manifest["shards"], cfg,
                           model.cfg.max_position_embeddings if user.prompts else None)
-        records = make_shard(model, cfg, writer.next_shard, writer.seen, user)
-        writer.add_shard(records)
+        records = make_shard(model, cfg, writer.next_shard, writer.seen, user, chosen)
+        writer.add_shard(records, tally.count([*chosen, *passed], records) if tally else None)
         bar.update(min(len(records), cfg.examples - bar.n))
     bar.close()
     return writer.manifest
+
+
+class PromptTally:
+    """The manifest's account of the prompt files: each file and category as read (``user.about``), with how many
+    of its conversations were started and answered, the turns answered and the tokens the answers hold."""
+
+    def __init__(self, user: UserText, cfg: DataConfig, writer: DataWriter) -> None:
+        self.user = user
+        block = copy.deepcopy(user.about)
+        block["balance"] = cfg.balance or "none"
+        old = writer.manifest.get("prompts")
+        if isinstance(old, dict) and old.get("counted_from_shard") is not None:  # resumed: its counts go on
+            block["counted_from_shard"] = old["counted_from_shard"]
+            for new_rows, old_rows in ((block["files"], old.get("files", [])),
+                                       (list(block["categories"].values()), list(old.get("categories", {}).values()))):
+                for row, was in zip(new_rows, old_rows):
+                    row.update({k: was.get(k, 0) for k in COUNTS})
+        else:
+            if cfg.balance and writer.next_shard:
+                raise damaged_data(writer.out, f"{writer.manifest_path} lacks the counts of the prompts that the "
+                                               "balancing reads")
+            block["counted_from_shard"] = writer.next_shard  # a directory begun before the counts were kept: from here
+            for row in block["files"] + list(block["categories"].values()):
+                row.update(dict.fromkeys(COUNTS, 0))
+        self.block = block
+        self.by_path = {row["path"]: row for row in block["files"]}
+
+    def count(self, chosen: Sequence[int], records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The block, counting a shard that started ``chosen`` and wrote ``records``."""
+        for k in chosen:
+            self.block["files"][self.user.origins[k]]["started"] += 1
+            self.block["categories"][self.user.categories[k]]["started"] += 1
+        for r in records:
+            if "prompt_file" in r:
+                for row in (self.by_path[r["prompt_file"]], self.block["categories"][r["category"]]):
+                    row["answered"] += r["turn"] == 0
+                    row["turns"] += 1
+                    row["answer_tokens"] += len(r["answer_ids"])
+        return self.block
 
 
 def check_not_stalled(shards: list[dict[str, Any]], cfg: DataConfig, user_prompts_context: int | None = None) -> None:

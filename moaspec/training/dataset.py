@@ -94,6 +94,39 @@ def read_manifest(data_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+def data_sources(data_dir: Path) -> dict[str, Any] | None:
+    """Where ``data_dir``'s prompts came from, as its manifest records them (``moaspec data --prompts``): the paths
+    given, each file's path relative to them, sha256 and size, and the conversations started (taken, answered or
+    passed over as too long for the context) and answered, turns and answer tokens each file and each category
+    gave; what ``--exclude-questions`` left out. None for data whose
+    prompts the target wrote itself, or made before moaspec recorded them."""
+    prompts = read_manifest(data_dir).get("prompts")
+    return prompts if isinstance(prompts, dict) else None
+
+
+def describe_data(data_dir: Path) -> str:
+    """``data_dir`` in one line, for a drafter's ``training.data``: its path, its size, and where its prompts came
+    from (the files that gave answers, the answer tokens of each category)."""
+    manifest = read_manifest(data_dir)
+    turns = sum(s["records"] for s in manifest["shards"])
+    tokens = sum(s.get("answer_tokens", 0) for s in manifest["shards"])
+    line = f"{data_dir} ({turns:,} turns, {tokens / 1e6:.2f} M answer tokens"
+    prompts = data_sources(data_dir)
+    if prompts is None:
+        return line + ")"
+    files = [f["path"] for f in prompts.get("files", []) if f.get("answered")]
+    shares = ", ".join(f"{name} {c.get('answer_tokens', 0) / 1e6:.2f} M"
+                       for name, c in prompts.get("categories", {}).items() if c.get("answered"))
+    line += (f"; answering prompts of {len(files)} file(s) of {', '.join(prompts.get('given', []))}: "
+             f"{', '.join(files)}; by category: {shares}")
+    if prompts.get("counted_from_shard"):
+        line += f" (counted from shard {prompts['counted_from_shard']} on)"
+    if "excluded_by" in prompts:
+        line += (f"; {prompts.get('excluded_conversations', 0)} overlapping a question of "
+                 f"{prompts['excluded_by'].get('path')} left out")
+    return line + ")"
+
+
 def read_shard(path: Path, entry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The records of the shard at ``path``; with its manifest ``entry``, refuse content that is not what was written.
 
