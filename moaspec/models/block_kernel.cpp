@@ -63,30 +63,44 @@ inline float reduce(__m256 v) {
 template <int Bits>
 constexpr int64_t block_bytes() { return Bits == 4 ? kBlock / 2 : kBlock; }
 
-// y[0, n0:n1] for one activation row: weight rows in fours, each block decoded and used at once.
+// y[0, n0:n1] for one activation row: weight rows in fours, each block decoded in registers and used at once.
 template <int Bits>
 void one_row(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
              int64_t K, int64_t n0, int64_t n1) {
-    const int64_t blocks = K / kBlock, qrow = blocks * block_bytes<Bits>();
+    const int64_t blocks = K / kBlock, bb = block_bytes<Bits>(), qrow = blocks * bb;
     int64_t n = n0;
     for (; n + kRowsAtOnce <= n1; n += kRowsAtOnce) {
-        __m256 acc[kRowsAtOnce] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        const uint8_t* q0 = q + n * qrow;
+        const float* d0 = d + n * blocks;
+        const float* m0 = m + n * blocks;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t b = 0; b < blocks; ++b) {
             const float* xb = x + b * kBlock;
-            for (int64_t r = 0; r < kRowsAtOnce; ++r) {
-                const int64_t row = n + r;
-                __m256 w[4];
-                decode_block<Bits>(q + row * qrow + b * block_bytes<Bits>(), d[row * blocks + b], m[row * blocks + b], w);
-                for (int j = 0; j < 4; ++j) acc[r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r]);
-            }
+            const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                         x3 = _mm256_loadu_ps(xb + 24);
+            __m256 w[4];
+#define MOASPEC_ROW(r, acc)                                                                          \
+            decode_block<Bits>(q0 + (r) * qrow + b * bb, d0[(r) * blocks + b], m0[(r) * blocks + b], w); \
+            acc = _mm256_fmadd_ps(w[0], x0, acc);                                                     \
+            acc = _mm256_fmadd_ps(w[1], x1, acc);                                                     \
+            acc = _mm256_fmadd_ps(w[2], x2, acc);                                                     \
+            acc = _mm256_fmadd_ps(w[3], x3, acc);
+            MOASPEC_ROW(0, a0)
+            MOASPEC_ROW(1, a1)
+            MOASPEC_ROW(2, a2)
+            MOASPEC_ROW(3, a3)
+#undef MOASPEC_ROW
         }
-        for (int64_t r = 0; r < kRowsAtOnce; ++r) y[n + r] = reduce(acc[r]);
+        y[n] = reduce(a0);
+        y[n + 1] = reduce(a1);
+        y[n + 2] = reduce(a2);
+        y[n + 3] = reduce(a3);
     }
     for (; n < n1; ++n) {
         __m256 acc = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
             __m256 w[4];
-            decode_block<Bits>(q + n * qrow + b * block_bytes<Bits>(), d[n * blocks + b], m[n * blocks + b], w);
+            decode_block<Bits>(q + n * qrow + b * bb, d[n * blocks + b], m[n * blocks + b], w);
             for (int j = 0; j < 4; ++j) acc = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + b * kBlock + 8 * j), acc);
         }
         y[n] = reduce(acc);

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -114,10 +117,11 @@ def gguf_blocks(model: Transformer, gguf: Path) -> dict[str, BlockWeights]:
     tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
 
     def take(names: list[str], heads: list[int | None]) -> BlockWeights | None:
-        parts = [None if n not in tensors else blocks_of(tensors[n]) for n in names]
-        if any(p is None for p in parts):
+        found = [None if n not in tensors else blocks_of(tensors[n]) for n in names]
+        if any(p is None for p in found):
             return None
-        parts = [p if h is None else p.rows(unpermute_rows(p.shape[0], h)) for p, h in zip(parts, heads)]
+        parts = [p if h is None else p.rows(unpermute_rows(p.shape[0], h))
+                 for p, h in zip(cast(list[BlockWeights], found), heads)]
         try:
             return parts[0] if len(parts) == 1 else BlockWeights.stack(parts)
         except ValueError:  # q/k/v of different code widths: the fp32 path
@@ -135,11 +139,12 @@ def gguf_blocks(model: Transformer, gguf: Path) -> dict[str, BlockWeights]:
     linears = dict(model.named_modules())
     found: dict[str, BlockWeights] = {}
     for name, (names, order) in plan.items():
-        weight = linears[name].weight
-        for attempt in (order, [None] * len(names)):  # transformers' row order for llama, else the file's
-            b = take(names, attempt)
-            if b is not None and same_weight(b, weight):
-                found[name] = b
+        weight = cast(Linear, linears[name]).weight
+        as_stored: list[int | None] = [None] * len(names)
+        for attempt in (order, as_stored):  # transformers' row order for llama, else the file's
+            got = take(names, attempt)
+            if got is not None and same_weight(got, weight):
+                found[name] = got
                 break
     return found
 
@@ -171,3 +176,17 @@ def read_blocks(path: Path) -> dict[str, BlockWeights] | None:
                                        f.get_tensor(f"{name}.offsets")) for name, w in bits.items()}
     except (SafetensorError, OSError, ValueError):
         return None
+
+
+@contextmanager
+def dense_products(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s products run on its dequantised fp32 weights, as with ``--dense-weights``
+    (benchmarks compare both paths in one process)."""
+    held = {m: m.blocks for m in model.modules() if isinstance(m, Linear) and m.blocks is not None}
+    for m in held:
+        m.blocks = None
+    try:
+        yield
+    finally:
+        for m, b in held.items():
+            m.blocks = b
