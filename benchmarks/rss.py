@@ -1,5 +1,10 @@
 """A server's resident memory over a load run: sampling it, and summarising the samples so that a
-plateau can be told apart from slow growth (shared by serve_load.py and cs_reliability.py)."""
+plateau can be told apart from slow growth (shared by serve_load.py and cs_reliability.py).
+
+Not run on its own; it is imported by, for example:
+
+    .venv/bin/python benchmarks/cs_reliability.py --clients 16 --seconds 1200 --output bench-out/cs-reliability.json
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""`moaspec serve` started as its own process for a benchmark, and stopped when the benchmark ends."""
+"""`moaspec serve` started as its own process for a benchmark, and stopped when the benchmark ends.
+
+Not run on its own; it is imported by the serving scripts beside it, for example:
+
+    .venv/bin/python benchmarks/serve_load.py --clients 8 --seconds 180 --max-tokens 128 --output bench-out/serve-load.json
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
 """What the SpecBench scripts here share: their common options, the target and drafter
-those name, and writing the results file (atomically, so a stopped run leaves none)."""
+those name, and writing the results file (atomically, so a stopped run leaves none).
+
+Not run on its own; it is imported by the SpecBench scripts beside it, for example:
+
+    .venv/bin/python benchmarks/chain_tau.py --per-file 10 --max-new-tokens 128 --no-vanilla --threads 1
+"""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ and a 1-draft ``propose``, four ways, interleaved round by round:
 
 The default target and the shipped drafter (or ``--drafter``), a 300-token random prompt, medians:
 
-    .venv/bin/python benchmarks/drafter_cold.py --threads 2 --repeats 60
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/drafter_cold.py --threads 2 --repeats 60
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ every prompt token (``begin``) and its Self-Attention catches up on them at the 
 (``propose``). The default target and the shipped drafter (or ``--drafter``), a prompt of random token ids, each figure the
 faster of two runs:
 
-    .venv/bin/python benchmarks/drafter_first_pass.py --tokens 3000 --threads 2
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/drafter_first_pass.py --tokens 3000 --threads 2
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ MoA drafter's own memory entries (what its Cross-Attention reads, made by its tr
 LSA): if they predict less than the raw K/V they were made from, LSA loses on the way
 what a first draft needs; if as much, the loss is in how Cross-Attention reads them.
 
-    .venv/bin/python benchmarks/lsa_key_probe.py --data ~/.cache/moaspec/data/DIR --examples 200
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/lsa_key_probe.py --data ~/.cache/moaspec/data/DIR --examples 200
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ On an AMD EPYC (2026-12-04) the lead reversed: MKL's packed products took 1.3-3.
 Random weights of the runtime's shapes (fused qkv and gate/up, as benchmarks/int4_products.py), a
 64 MB memory sweep before each round, medians of 9, the kernels alternated.
 
-    .venv/bin/python benchmarks/mkl_packed_products.py --hints 1,8,64 --rows 1,3,4,8,11,16,32,64,128
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/mkl_packed_products.py --hints 1,8,64 --rows 1,3,4,8,11,16,32,64,128
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ p(x). Which is accepted more often depends on how close the drafter's q is to th
 target's p. For every prompt and temperature both run back to back with the same seed
 (alternating order); τ is compared prompt by prompt with a sign test.
 
-    .venv/bin/python benchmarks/sampled_drafts.py --per-file 5 --max-new-tokens 128 --temperatures 0.7,1.0
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/sampled_drafts.py --per-file 5 --max-new-tokens 128 --temperatures 0.7,1.0
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-import specbench_script  # beside this script
-from compare_tau import sign_test  # beside this script
+import specbench_script  # benchmarks/specbench_script.py (PYTHONPATH=benchmarks)
+from compare_tau import sign_test  # benchmarks/compare_tau.py (PYTHONPATH=benchmarks)
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, SamplingParams
 from moaspec.decoding.proposer import Proposal, Proposer
