@@ -170,3 +170,22 @@ def test_dense_weights_option_keeps_gguf_targets_on_fp32(quantised_gguf: Path, m
     args = build_parser().parse_args(["generate", "hi", "--model", str(quantised_gguf), "--dense-weights"])
     loaded = load_target(args)
     assert not any(m.blocks is not None for m in linears(loaded.model).values())
+
+
+def test_a_conversion_reused_from_another_path_reads_the_blocks_of_the_file_given(
+        quantised_gguf: Path, tmp_path: Path) -> None:
+    """The conversion cache is keyed by the file's bytes: a copy elsewhere (another virtual environment's
+    package, the first since deleted) reuses it, and must still find a GGUF to read the blocks from."""
+    import shutil
+
+    from moaspec.models import load_model, sources
+    from moaspec.models.loading import converted_from
+
+    first = sources.resolve_model(str(quantised_gguf))
+    (first / gguf_blocks.BLOCKS_FILE).unlink(missing_ok=True)
+    copy = tmp_path / "elsewhere" / quantised_gguf.name
+    copy.parent.mkdir()
+    shutil.copy(quantised_gguf, copy)
+    assert sources.resolve_model(str(copy)) == first and converted_from(first) == copy.resolve()
+    if block_kernel.cpu_supported() is None:
+        assert all(m.blocks is not None for m in linears(load_model(str(copy), device="cpu").model).values())

@@ -161,6 +161,18 @@ def resolve_model(spec: str | None) -> Path:
                                  f"or {DEFAULT_MODEL}, the default)")
         return path
     dest = _gguf_cache_dir(gguf)
-    if not (dest / "moaspec-source.json").is_file():
+    source = dest / "moaspec-source.json"
+    if not source.is_file():
         convert_gguf(gguf, dest)
+    elif _recorded_gguf(source) != str(gguf.resolve()):
+        # the same bytes converted from another path (another virtual environment's copy, perhaps since deleted):
+        # name this one, which the loader reads the 4-bit blocks from
+        atomic_write_text(source, json.dumps({"gguf": str(gguf.resolve()), "format": CACHE_FORMAT}))
     return dest
+
+
+def _recorded_gguf(source: Path) -> str | None:
+    try:
+        return str(json.loads(source.read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
