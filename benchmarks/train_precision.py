@@ -16,7 +16,7 @@ the same weights then): ``|g - g_fp32| / |g_fp32|`` over all parameters, what it
 each update's losses and times, and per variant loss tokens/s, its ratio to fp32, and the mean loss of
 the last quarter of the updates.
 
-    .venv/bin/python benchmarks/train_precision.py --data ~/.cache/moaspec/data/s64 --updates 24 --compile
+    .venv/bin/python benchmarks/train_precision.py --data ~/.cache/moaspec/data/train-precision --updates 24 --compile
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A decoding step on a CPU costs reading the weights, whatever the number of token
 few dozen), so a server with many clients spends most of its time reading the same weights
 for each of them in turn: 8 verifications of 3 tokens took 99 ms as one forward
 (:meth:`~moaspec.models.transformer.Transformer.forward_many`) against 292 ms one after
-another (SmolLM2, 2 threads; BENCHMARKS.md, "Verifying many sessions at once"). But two
+another (SmolLM2, 2 threads; docs/experiments/2026-11-29-batched-forwards.md). But two
 forwards on two cores, each on its own, finish sooner than both as one forward on one thread.
 So a :class:`ForwardBatcher` has ``lanes`` (the forwards the cores can run side by side): a
 forward runs at once on its caller's thread while a lane is free and nothing waits; past that

@@ -6,8 +6,8 @@ they free in its arenas (its mmap threshold rises to the size of the largest blo
 freed, so later caches come from the heap, not from fresh mappings) and seldom returns
 it: four threads opening sessions of random lengths on one session store grew its
 process 1.66 → 3.99 GB in 300 sessions, and one ``malloc_trim(0)`` at the end brought it
-back to 1.73 GB (BENCHMARKS.md, "Client–server reliability"). Trimming whenever a
-conversation ends keeps that bounded. A trim takes about 34 ms (median), so it runs on a
+back to 1.73 GB (docs/experiments/2026-11-21-client-server-reliability.md). Trimming
+whenever a conversation ends keeps that bounded. A trim takes about 34 ms (median), so it runs on a
 thread of its own, not on the request that ended the conversation; conversations that end
 while it runs share the next one.
 
@@ -73,8 +73,8 @@ def cap_kernel_caches(entries: int = 64) -> None:
     oneDNN caches a kernel per input shape (1024 by default) and PyTorch's wrapper of it (ideep) keeps a
     second cache of its own; decoding sees ever new shapes (prompt and cache lengths), so a long-running
     server's memory grew without bound, then with the first capped still about 2.5 MB per conversation.
-    At 64 both stay flat and decoding is as fast (BENCHMARKS.md). The caches read these variables when
-    first used, so this must run before the first CPU forward.
+    At 64 both stay flat and decoding is as fast (docs/experiments/2026-11-21-client-server-reliability.md).
+    The caches read these variables when first used, so this must run before the first CPU forward.
     """
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(entries))
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(entries))

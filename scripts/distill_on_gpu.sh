@@ -9,15 +9,17 @@
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
 #        DRAFTERS ("moa eagle"; also: moa-final, MoA with --memory-final; moa-newest, MoA with
 #        --newest-entry; moa-final-newest, MoA with both (the best MoA from scratch on the CPU,
-#        BENCHMARKS.md); moa-derot, MoA with --derotate-keys; moa-wide, MoA whose LSA runs at the target's full
-#        K/V width as in the paper (--lsa-width full; the default halves it); moa-seg1, segments of 1;
+#        docs/experiments/2026-11-24-reading-the-newest-state.md); moa-derot, MoA with --derotate-keys;
+#        moa-wide, MoA whose LSA runs at the target's full K/V width as in the paper (--lsa-width full;
+#        the default halves it); moa-seg1, segments of 1;
 #        moa-cont, the MoA drafter shipped for the default target continued at a lower learning rate;
 #        moa-cont-newest, the same with --newest-entry added; moa-cont-derot, with --derotate-keys
 #        added (an approximate warm start); eagle-cont, the shipped EAGLE drafter
 #        continued like moa-cont, so both baselines get the same extra updates),
 #        SHARD_SIZE (512), EXTRA_DATA (data directories written earlier, trained on beside the new ones),
 #        DATA_OPTIONS (more `moaspec data` options for every data process, e.g. "--passages DIR
-#        --pasted-fraction 0.7 --max-passage-tokens 800": documents pasted for summaries, BENCHMARKS.md;
+#        --pasted-fraction 0.7 --max-passage-tokens 800": documents pasted for summaries,
+#        docs/experiments/2026-11-26-human-passages-for-summaries.md;
 #        with --prompts or --passages each process gets --part K/PROCS, so they share the files),
 #        DATA_DTYPE (float32), MPS (0; 1 runs the processes under the CUDA Multi-Process Service, so
 #        their small kernels share the GPU instead of taking turns: 1.3x on a launch-bound probe on one H100)

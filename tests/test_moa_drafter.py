@@ -279,9 +279,9 @@ def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_lla
 
 
 def test_bf16_drafters_keep_their_caches_in_fp32_on_a_cpu(tiny_llama) -> None:  # type: ignore[no-untyped-def]
-    """torch's CPU attention is slow for one bf16 query (BENCHMARKS.md, "The drafter's caches in fp32"), so a bf16
-    drafter's own caches are fp32 there. They hold the bf16 K/V exactly, so a step drafts as with bf16 caches up to
-    the attention's rounding: the same draft, near-identical logits."""
+    """torch's CPU attention is slow for one bf16 query (docs/experiments/2026-11-25-drafting-precision.md,
+    "The drafter's caches in fp32"), so a bf16 drafter's own caches are fp32 there. They hold the bf16 K/V exactly,
+    so a step drafts as with bf16 caches up to the attention's rounding: the same draft, near-identical logits."""
     from moaspec.drafters.eagle import EagleConfig, EagleDrafter
     from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 

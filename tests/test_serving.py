@@ -542,7 +542,7 @@ def test_n_choices_are_admitted_together_or_not_at_all(tiny_llama) -> None:  # t
 def test_a_client_gone_during_a_long_prefill_frees_the_slot_within_a_chunk(tiny_llama, slow_prefill, stream: bool) -> None:  # type: ignore[no-untyped-def]
     """A long prompt's prefill is abandoned within one chunk of its client leaving, before any text was sent
     (streaming) or while the response waits (not streaming), so the next request need not wait for it
-    (BENCHMARKS.md, "A client that leaves during a long prefill": 24 s of one slot before)."""
+    (docs/experiments/2026-11-29-abandoned-prefill.md: 24 s of one slot before)."""
     engine = Engine(tiny_llama, tiny_strategy(tiny_llama), parallel=1, max_queue=0)
     prompt = [5 + i % 200 for i in range(240)]  # 120 chunks: 6 s of prefill
     try:

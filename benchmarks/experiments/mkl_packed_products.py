@@ -1,7 +1,7 @@
 """MKL's packed sgemm against oneDNN's packed weights, for the products of one SmolLM2-135M forward, by row count.
 
 A lead for the target's verification forwards, not yet used by the runtime: on an Intel Xeon
-(2026-12-02, BENCHMARKS.md "MKL's packed sgemm") ``torch.ops.mkl._mkl_linear`` on weights packed by
+(2026-12-02, docs/experiments/2026-12-02-mkl-packed-sgemm.md) ``torch.ops.mkl._mkl_linear`` on weights packed by
 ``torch.ops.mkl._mkl_reorder_linear_weight`` (what Inductor's CPU freezing uses for fp32 linears)
 took 7-17% less time than oneDNN's packed weights for 1 to 128 rows. The pack takes a row-count hint
 (``--hints``): a copy packed for 1 row is slow from 3 rows on, one packed for 8 rows from 11 rows on,

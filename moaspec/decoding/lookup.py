@@ -24,7 +24,8 @@ from moaspec.errors import MoaspecError
 from moaspec.models.kv_cache import KVCache
 
 # `moaspec generate` and `moaspec serve` put this many lookup drafts before the shipped drafter's
-# chains: on SpecBench it took chains of 2 from 1.12x to 1.55x plain decoding (BENCHMARKS.md).
+# chains: on SpecBench it took chains of 2 from 1.12x to 1.55x plain decoding
+# (docs/experiments/2026-11-22-prompt-lookup.md).
 DEFAULT_LOOKUP = 10
 # In front of a drafter, a copy must follow at least this many matching tokens: the newest token
 # alone recurs almost everywhere, and what followed it last time is a worse guess than the

@@ -4,9 +4,10 @@ A chat's next turn begins with the whole conversation so far, so a server that k
 keys/values (and final states) of the prompts it has just read, and of the answers it wrote
 to them, can start the next turn's prefill where they end: only the new message is read. On a
 2-core CPU server (one thread per request) a conversation that began with a 3,000-token
-document took 9.4–9.8 s before each answer, and 0.26–0.32 s with the cache (BENCHMARKS.md,
-"Reusing the prompts a server has read" and "Next turns keep the answer too"). Reused K/V
-are exactly those of the earlier forward; the positions after them are
+document took 9.4–9.8 s before each answer, and 0.26–0.32 s with the cache
+(docs/experiments/2026-11-29-next-turns-prompt-cache.md, "Reusing the prompts a server has
+read" and "Next turns keep the answer too"). Reused K/V are exactly those of the earlier
+forward; the positions after them are
 computed as a chunked prefill computes them (each chunk attending to the cache before it), so
 the result equals reading the whole prompt up to the order of floating-point sums, as
 chunking itself does.

@@ -192,7 +192,8 @@ class Drafter(nn.Module):
         """Let inference products read int8 copies of the weights (the head's too) where the CPU kernel exists.
 
         A drafting step streams the drafter's weights right after the target's forward has evicted them from
-        the caches, so its time is their bytes: int8 halves bf16's (BENCHMARKS.md, "Int8 drafter weights").
+        the caches, so its time is their bytes: int8 halves bf16's
+        (docs/experiments/2026-11-25-drafting-precision.md, "Int8 drafter weights").
         Activations keep the weights' dtype, bf16 (the only one the kernel is quick with), the parameters are
         untouched, and the text cannot change: only which drafts the target accepts.
         """
@@ -224,9 +225,10 @@ class Drafter(nn.Module):
 
         torch's CPU attention kernel is slow for one bf16 query: over 1,000 cached keys it took
         475 µs against 57 µs in fp32, and 163 µs for four queries (torch 2.13, AMD EPYC with
-        AVX-512 bf16; BENCHMARKS.md, "The drafter's caches in fp32"). A drafting step asks one query
-        of SA's cache and one of CA's memory, so bf16 caches cost more than the drafter's weights
-        take to read. Queries are cast to the cache's dtype, outputs back to the weights'.
+        AVX-512 bf16; docs/experiments/2026-11-25-drafting-precision.md, "The drafter's caches in
+        fp32"). A drafting step asks one query of SA's cache and one of CA's memory, so bf16 caches
+        cost more than the drafter's weights take to read. Queries are cast to the cache's dtype, outputs
+        back to the weights'.
         """
         dtype = self.weight_dtype
         cpu = next(self.parameters()).device.type == "cpu"

@@ -125,8 +125,9 @@ def named_precision(choice: object, target: LoadedModel, what: str = "drafter_dt
     elsewhere. "int8": bf16 activations and int8 weights on any CPU (off a CPU it is "auto").
 
     A drafting step is memory-bound matrix–vector work over the drafter's weights, and
-    oneDNN's packed bf16 products stream half the bytes of fp32 ones (BENCHMARKS.md,
-    "Drafting in bf16 on the CPU"); int8 copies halve them again ("Int8 drafter weights").
+    oneDNN's packed bf16 products stream half the bytes of fp32 ones
+    (docs/experiments/2026-11-25-drafting-precision.md, "Drafting in bf16 on the CPU"); int8
+    copies halve them again ("Int8 drafter weights").
     CPUs without bf16 kernels were not measured with int8 weights, so by default they keep their dtype;
     int8 weights never come with fp32 activations: with them aten's kernel took 2 to 30 times as
     long as oneDNN's fp32 products ("Int8 drafter weights on an Intel Xeon").

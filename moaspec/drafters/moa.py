@@ -35,7 +35,8 @@ from moaspec.models.transformer import Transformer, causal_mask, rope_tables
 MEMORY_SOURCES = ("lsa", "last-layer", "lsa+final")
 # Verified tokens whose memory entries are made in one pass. On SmolLM2 (2 CPU cores) an 8,000-token
 # prompt's, all at once, took 4.2 s and held 1.1 GiB beside the target's prefill; 4,000 tokens' took
-# 0.24 s in chunks of 128 (the same entries), 0.59 s in chunks of 512, 2.0 s at once (BENCHMARKS.md, "Long prompts")
+# 0.24 s in chunks of 128 (the same entries), 0.59 s in chunks of 512, 2.0 s at once
+# (docs/experiments/2026-11-28-long-prompts-chunked-prefill.md)
 LSA_CHUNK = 128
 
 
@@ -138,7 +139,8 @@ class MoADrafter(Drafter):
         self.newest_proj: Linear | None = None
         if cfg.newest_entry:
             # EAGLE's first draft reads the target's state of the newest verified token in its residual stream;
-            # MoA's CA reads its memory as a summary and leaves that entry nearly unread (BENCHMARKS.md), so
+            # MoA's CA reads its memory as a summary and leaves that entry nearly unread
+            # (docs/experiments/2026-11-24-reading-the-newest-state.md), so
             # this hands it over directly. It is the same entry for every draft of a cycle: still T-step
             # bounded. Zero at first, so a warm start drafts exactly as the drafter it starts from; made last,
             # so that with the same seed every other weight starts as a plain drafter's.
@@ -232,7 +234,8 @@ class MoADrafter(Drafter):
             return self.memory_norm(self.lsa_proj(final.to(self.weight_dtype)))
         assert token_kv is not None
         B, T, L, W = token_kv.shape
-        if self.cfg.derotate_keys:  # rotated, the keys' fast-turning pairs read as noise (BENCHMARKS.md)
+        # rotated, the keys' fast-turning pairs read as noise (docs/experiments/2026-11-25-lsa-keys-and-probes.md)
+        if self.cfg.derotate_keys:
             token_kv = self.target.unrotated_keys(token_kv, torch.arange(T, device=token_kv.device) if positions is None
                                                   else positions)
         x = self.lsa_in(token_kv.reshape(B * T, L, W).to(self.weight_dtype))

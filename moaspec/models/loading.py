@@ -68,9 +68,9 @@ def usable_device(device: torch.device | str | None) -> torch.device:
 # holds, which greedy speculative decoding needs in order to reproduce vanilla decoding token for token. In bf16 or
 # fp16 a verification of k tokens rounds differently from k one-token steps and the answers part at near-ties: with
 # SmolLM2 in bf16 on a CPU, MoA chains differed from vanilla on 8 of 12 SpecBench prompts and trees on 11 of 12
-# (BENCHMARKS.md, "Half precision is not lossless"). So bf16 stays a choice for speed (``--dtype bfloat16``, e.g. on
-# GPUs), not the default. Drafters, whose precision never changes the text, draft in bf16 where a CPU has bf16
-# kernels (``drafting_precision``).
+# (BENCHMARKS.md, "Precision of drafting"; docs/experiments/2026-11-26-half-precision-target.md). So bf16 stays
+# a choice for speed (``--dtype bfloat16``, e.g. on GPUs), not the default. Drafters, whose precision never changes
+# the text, draft in bf16 where a CPU has bf16 kernels (``drafting_precision``).
 DEFAULT_DTYPE = torch.float32
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # what the runtime runs
 

@@ -110,9 +110,10 @@ def int8_supported(weight: torch.Tensor) -> bool:
     its vector width (for others it returned garbage or crashed).
 
     It also takes fp32 activations, but then a drafting step's products of 1 to 16 rows took 2 to 30
-    times as long as on oneDNN's packed fp32 weights (an AVX-512 Intel Xeon, BENCHMARKS.md, "Int8 drafter
-    weights on an Intel Xeon"), so fp32 weights keep their float products. (torchao 0.18's int8 weight-only
-    tensors took 2–3 times bf16's time for a drafting step's products; this kernel half of it.)"""
+    times as long as on oneDNN's packed fp32 weights (an AVX-512 Intel Xeon,
+    docs/experiments/2026-11-25-drafting-precision.md, "Int8 drafter weights on an Intel Xeon"), so fp32
+    weights keep their float products. (torchao 0.18's int8 weight-only tensors took 2–3 times bf16's time
+    for a drafting step's products; this kernel half of it.)"""
     return (
         weight.device.type == "cpu"
         and int8_kernels()

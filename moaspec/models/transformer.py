@@ -404,7 +404,7 @@ class Transformer(nn.Module):
 
         Every linear layer runs once over all the calls' new tokens, so the weights are read once
         for all of them (a decoding step's cost is reading them: on a CPU, 8 tokens cost about what
-        1 does; BENCHMARKS.md, "Forward cost by number of new tokens"); each call's tokens attend to
+        1 does; BENCHMARKS.md, "Plain decoding and the cost of a forward"); each call's tokens attend to
         its own cache, with its own positions and mask. Meant for a server verifying many sessions'
         drafts: no chunking, so calls should be small (a long prompt goes through ``forward``).
         """
@@ -456,8 +456,8 @@ def _attend_each(attn: Attention, layer: int, calls: Sequence[Call], spans: Sequ
 
 # New tokens per block pass in a causal forward, by device type. On this CPU (2 cores, SmolLM2) an
 # 8,000-token prefill took 37 s in one pass, 22 s in chunks of 256 (no faster in 128 or 1,024) and held
-# 24 MiB of activations instead of 441 (BENCHMARKS.md, "Long prompts"). Elsewhere (a GPU, not measured
-# here) larger chunks keep the device busy while still bounding the mask and activations.
+# 24 MiB of activations instead of 441 (docs/experiments/2026-11-28-long-prompts-chunked-prefill.md).
+# Elsewhere (a GPU, not measured here) larger chunks keep the device busy while still bounding the mask and activations.
 PREFILL_CHUNKS = {"cpu": 256}
 DEFAULT_PREFILL_CHUNK = 2048
 

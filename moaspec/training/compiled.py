@@ -4,8 +4,8 @@ A training update of the MoA drafter is mostly Layer Self-Attention, one decoder
 L "layer tokens" for every token of the batch (30 per token on SmolLM2). Eagerly, its RoPE,
 norms and SiLU are a dozen passes over tensors L times a sequence's size; Inductor fuses them
 into the products' neighbours. On a 2-core CPU an update under bf16 autocast took two thirds of
-eager time after a one-off compilation of about 30 s (BENCHMARKS.md, "Compiled training updates"),
-so it pays for runs of more than a few dozen updates and is off by default.
+eager time after a one-off compilation of about 30 s (docs/experiments/2026-12-04-cpu-training-precision.md,
+"Compiled training updates"), so it pays for runs of more than a few dozen updates and is off by default.
 
 Only training-mode calls of ``forward`` are compiled: evaluation runs the drafter in eval mode,
 where its linears read prepacked weight copies that the compiler does not trace. If compiling

@@ -178,7 +178,8 @@ def resolve_precision(choice: str, cpu: bool) -> str:
 
     "auto" is bf16 autocast (fp32 master weights) wherever it is quick: a GPU with bf16, fp16 on an older
     one, and a CPU whose oneDNN has bf16 kernels, where one update of the MoA drafter took two thirds of
-    fp32's time for the same loss (BENCHMARKS.md, "Training in bf16 on the CPU"). Other CPUs train in fp32.
+    fp32's time for the same loss (docs/experiments/2026-12-04-cpu-training-precision.md, "Training in bf16 on the
+    CPU"). Other CPUs train in fp32.
     """
     if choice != "auto":
         return choice
