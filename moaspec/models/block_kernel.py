@@ -27,7 +27,9 @@ from moaspec.models.sources import cache_root
 
 SOURCE = Path(__file__).with_name("block_kernel.cpp")
 BLOCK = 32  # weights per block along the input dimension
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]  # no contraction: the .cpp's arithmetic is written out
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off",  # no contraction: the .cpp's arithmetic is written out
+         "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds, inlined here: without it, one thread
+# (the extension then shares torch's own libgomp.so.1, already loaded, so both use one thread pool)
 
 
 @dataclass(frozen=True)
@@ -109,13 +111,15 @@ def build() -> ModuleType:
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    # torch's parallel backend decides how at::parallel_for runs inside the kernel: OpenMP wants the flag
+    ldflags = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
     name = f"moaspec_block_kernel_{digest}"
     where = cache_root() / "kernels" / name
     where.mkdir(parents=True, exist_ok=True)
     if not (where / f"{name}.so").exists():
         print("moaspec: compiling the 4-bit CPU kernel once (about a minute) ...", file=sys.stderr)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(where),
-                              verbose=False)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=ldflags,
+                              build_directory=str(where), verbose=False)
 
 
 def why_not() -> str | None:
