@@ -107,6 +107,11 @@ def main() -> None:
     ap = specbench_script.parser(__doc__, per_file=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--lookup", type=int, default=10, help="llama.cpp-pld's drafted tokens per step")
+    ap.add_argument("--methods", default="plain,plain-fp32,moa-tree,default,default-fp32,llama.cpp,llama.cpp-pld",
+                    help="which of the methods above to run (plain, plain-fp32 and llama.cpp always run: the ratios "
+                         "and the parting margins need them)")
+    ap.add_argument("--plot", metavar="DIR", help="also draw speedup.png there: each method's tokens/s per category "
+                                                  "over plain-fp32's (moaspec.bench.plots, as moaspec bench draws it)")
     ap.add_argument("--pause", type=float, default=0.0,
                     help="seconds to wait, untimed, before each method (threads still spinning from the last one)")
     args = ap.parse_args()
@@ -114,15 +119,20 @@ def main() -> None:
     stops = stop_token_ids(lm.model, lm.tokenizer)
     prompts = [(q, encode_chat(lm.tokenizer, chat_messages(q.turns[0]))) for q in specbench_script.questions(args)]
     context = max(len(ids) for _, ids in prompts) + args.max_new_tokens + 16
-    methods: dict[str, Run] = {
-        "plain": moaspec_runner(lm, decoding_strategy(lm, None), stops),
-        "plain-fp32": moaspec_runner(lm, decoding_strategy(lm, None), stops, dense=True),
-        "moa-tree": moaspec_runner(lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0), stops),
-        "default": moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops),
-        "default-fp32": moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops, dense=True),
-        "llama.cpp": llama_cpp_runner(args.threads, context, 0, stops),
-        "llama.cpp-pld": llama_cpp_runner(args.threads, context, args.lookup, stops),
+    runners: dict[str, Callable[[], Run]] = {
+        "plain": lambda: moaspec_runner(lm, decoding_strategy(lm, None), stops),
+        "plain-fp32": lambda: moaspec_runner(lm, decoding_strategy(lm, None), stops, dense=True),
+        "moa-tree": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0), stops),
+        "default": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops),
+        "default-fp32": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops, dense=True),
+        "llama.cpp": lambda: llama_cpp_runner(args.threads, context, 0, stops),
+        "llama.cpp-pld": lambda: llama_cpp_runner(args.threads, context, args.lookup, stops),
     }
+    wanted = {m.strip() for m in args.methods.split(",")} | {"plain", "plain-fp32", "llama.cpp"}
+    unknown = wanted - set(runners)
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(sorted(unknown))} (known: {', '.join(runners)})")
+    methods = {name: make() for name, make in runners.items() if name in wanted}
     for run in methods.values():  # warm-up
         run(prompts[0][1], 16)
     names = list(methods)
@@ -160,6 +170,15 @@ def main() -> None:
               + f"{rate[n]['overall'] / rate['plain']['overall']:>10.2f}"
               + f"{rate[n]['overall'] / rate['llama.cpp']['overall']:>14.2f}"
               + f"{identical[n]:>9} / {len(prompts):<3}{statistics.median(agree[n]):>15.0f}")
+    if args.plot:
+        from pathlib import Path
+
+        from moaspec.bench.plots import save_plots
+
+        speedups = {n: {c: {"speedup": rate[n][c] / rate["plain-fp32"][c]} for c in categories}
+                    for n in names if n != "plain-fp32"}
+        Path(args.plot).mkdir(parents=True, exist_ok=True)
+        save_plots({"results": speedups}, Path(args.plot))
     specbench_script.write_results(
         args, tokens_per_s=rate, same_as_plain=dict(identical), shared_with_plain=dict(agree), runs=rows,
         parting_margins=[{"question": q, "new_token": at, "fp32_logit_margin": m} for q, at, m in margins])

@@ -48,6 +48,7 @@ def test_bench_writes_summary_answers_and_plots(tiny_dirs, setup, tmp_path: Path
     summary = json.loads((out / "summary.json").read_text())
     # what the figures were measured on: the resolved dtypes and device, not "auto"
     assert summary["settings"]["target_dtype"] == "float32" and summary["settings"]["target_device"] == "cpu"
+    assert summary["settings"]["target_products"] == "dense"  # a model directory: no GGUF blocks
     assert summary["settings"]["drafter_dtype"] in ("float32", "bfloat16", "int8")
     res = summary["results"]
     assert set(res) == set(ALL)

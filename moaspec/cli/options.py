@@ -250,4 +250,17 @@ def bench_settings(args: argparse.Namespace, loaded, *skip: str) -> dict[str, ob
     settings["drafter_dtype"] = precision_name(*drafting_precision(loaded))
     settings["target_dtype"] = str(loaded.model.dtype).removeprefix("torch.")
     settings["target_device"] = str(loaded.model.device)
+    settings["target_products"] = products_path(loaded.model)
     return settings
+
+
+def products_path(model) -> str:  # type: ignore[no-untyped-def]
+    """What a decoding step's products read: "gguf-blocks" (the file's 4-bit/8-bit blocks, fp32 arithmetic) where
+    every linear layer has them, "dense" where none has, else how many do."""
+    from moaspec.models.packed_linear import Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    with_blocks = sum(m.blocks is not None for m in linears)
+    if with_blocks == len(linears):
+        return "gguf-blocks"
+    return "dense" if with_blocks == 0 else f"gguf-blocks for {with_blocks} of {len(linears)} layers"
