@@ -178,7 +178,7 @@ def main() -> None:
         speedups = {n: {c: {"speedup": rate[n][c] / rate["plain-fp32"][c]} for c in categories}
                     for n in names if n != "plain-fp32"}
         Path(args.plot).mkdir(parents=True, exist_ok=True)
-        save_plots({"results": speedups}, Path(args.plot))
+        save_plots({"results": speedups}, Path(args.plot), baseline="plain decoding on fp32 weights")
     specbench_script.write_results(
         args, tokens_per_s=rate, same_as_plain=dict(identical), shared_with_plain=dict(agree), runs=rows,
         parting_margins=[{"question": q, "new_token": at, "fp32_logit_margin": m} for q, at, m in margins])

@@ -7,7 +7,7 @@ took 7-17% less time than oneDNN's packed weights for 1 to 128 rows. The pack ta
 (``--hints``): a copy packed for 1 row is slow from 3 rows on, one packed for 8 rows from 11 rows on,
 one packed for 64 rows is quick for every count tried. Each copy takes the dense weight's memory.
 On an AMD EPYC (2026-12-04) the lead reversed: MKL's packed products took 1.3-3.7 times oneDNN's time.
-Random weights of the runtime's shapes (fused qkv and gate/up, as benchmarks/int4_products.py), a
+Random weights of the runtime's shapes (fused qkv and gate/up, as benchmarks/experiments/int4_products.py), a
 64 MB memory sweep before each round, medians of 9, the kernels alternated.
 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/mkl_packed_products.py --hints 1,8,64 --rows 1,3,4,8,11,16,32,64,128

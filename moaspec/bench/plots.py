@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 
-def save_plots(summary: dict[str, Any], output: Path) -> list[Path]:
+def save_plots(summary: dict[str, Any], output: Path, baseline: str = "vanilla") -> list[Path]:
+    """``speedup.png`` (each method's tokens/s per category over ``baseline``'s) and ``accepted_lengths.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,7 +24,7 @@ def save_plots(summary: dict[str, Any], output: Path) -> list[Path]:
             ax.bar([c + i * width for c in range(len(cats))], [res[m][c]["speedup"] for c in cats], width, label=m)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(cats))], cats, rotation=20)
-        written.append(_save(fig, ax, "speedup vs vanilla (tokens/s)", output / "speedup.png"))
+        written.append(_save(fig, ax, f"speedup vs {baseline} (tokens/s)", output / "speedup.png"))
     hist = summary.get("accepted_histogram", {})
     if hist:
         fig, ax = plt.subplots(figsize=(6, 4))

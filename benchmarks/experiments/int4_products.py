@@ -11,7 +11,7 @@ packed fp32 weights (what the runtime runs) against int4 with bf16 and fp32 acti
 Nothing here changes decoding: int4 with bf16 activations is a different, lower
 precision target, and would need its own vanilla baseline.
 
-    .venv/bin/python benchmarks/int4_products.py --threads 1
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/experiments/int4_products.py --threads 1
 """
 
 from __future__ import annotations
