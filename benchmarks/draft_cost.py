@@ -25,9 +25,9 @@ from typing import Any
 import specbench_script  # beside this script
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter, shipped_drafter
+from moaspec.strategy import Strategy
 
 TIMED = ("observe", "step")  # the drafter calls a decoding cycle makes
 

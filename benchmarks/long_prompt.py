@@ -43,7 +43,7 @@ import psutil, torch
 sys.path.insert(0, sys.argv[5])
 from long_prompt import document_ids
 from moaspec.decoding import GenerationConfig
-from moaspec.decoding.strategy import Strategy
+from moaspec.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter, moa, shipped_drafter
 from moaspec.models import load_model, transformer

@@ -20,11 +20,11 @@ from moaspec.cores import Cores
 from moaspec.decoding import GenerationConfig, SamplingParams
 from moaspec.decoding.generation import GenerationResult
 from moaspec.decoding.prefill import SharedRead
-from moaspec.decoding.strategy import Strategy
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.models import load_model
 from moaspec.serving import Engine
 from moaspec.serving import engine as engine_module
+from moaspec.strategy import Strategy
 from specbench_script import parser, questions, write_results
 
 

@@ -21,11 +21,11 @@ import torch
 import specbench_script  # beside this script
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.models import LoadedModel
+from moaspec.strategy import Strategy
 
 CHAINS = [1, 2, 3, 4, 6]
 TREES = [TreeShape(2, 2, 3), TreeShape(2, 2, 4), TreeShape(3, 2, 6), TreeShape(3, 2, 8), TreeShape(3, 3, 10), TreeShape(4, 3, 12),

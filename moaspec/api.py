@@ -29,9 +29,9 @@ from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.errors import MoaspecError, PromptError
+from moaspec.strategy import Strategy
 from moaspec.validation import whole_number
 
 if TYPE_CHECKING:

@@ -21,11 +21,11 @@ from moaspec.clientserver.netem import PROFILES, NetworkProxy, parse_profile
 from moaspec.clientserver.sessions import Limits, SessionError, SessionStore
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.prefill import PromptCache
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.models.transformer import Call
 from moaspec.serving import Engine, create_app
+from moaspec.strategy import Strategy
 from servers import running
 
 KEY = "cs-key"

@@ -65,8 +65,8 @@ def test_a_served_request_releases_memory_when_it_ends(tiny_llama, monkeypatch) 
 
     from moaspec.decoding import GenerationConfig
     from moaspec.decoding.generation import GenerationResult
-    from moaspec.decoding.strategy import Strategy
     from moaspec.serving import engine as engine_module
+    from moaspec.strategy import Strategy
 
     calls: list[int] = []
     monkeypatch.setattr(engine_module, "release_free_memory", lambda: calls.append(1))

@@ -13,10 +13,10 @@ import torch
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.generation import TokenSink
 from moaspec.decoding.logprobs import TokenBytes
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
+from moaspec.strategy import Strategy
 
 PROMPT = [5, 17, 42, 8, 99, 3, 64, 21]
 

@@ -9,8 +9,8 @@ from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.lookup import LookupProposer, NgramIndex
 from moaspec.decoding.proposer import Proposal
 from moaspec.decoding.speculative import generate_chain
-from moaspec.decoding.strategy import Strategy
 from moaspec.errors import MoaspecError
+from moaspec.strategy import Strategy
 from test_speculative import PROMPTS, moa_proposer
 
 

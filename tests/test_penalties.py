@@ -12,10 +12,10 @@ import torch
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.batched import Request
 from moaspec.decoding.sampling import adjust, path_counts
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import DraftTree, TreeShape
 from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.errors import MoaspecError
+from moaspec.strategy import Strategy
 
 PROMPT = [5, 17, 42, 8, 99, 3, 64, 21]
 REPEATING = [200, 3, 3, 3, 3, 9, 3, 3, 3]  # a prompt the tiny target continues with repeats: penalties bite

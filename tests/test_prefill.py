@@ -7,11 +7,11 @@ import torch
 
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.prefill import Prefill, PromptCache
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.models import transformer
+from moaspec.strategy import Strategy
 
 
 @pytest.fixture()

@@ -12,9 +12,9 @@ from moaspec.clientserver.netem import PROFILES, NetworkProxy
 from moaspec.clientserver.sessions import SessionStore
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.opening import stop_token_ids
-from moaspec.decoding.strategy import Strategy
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.serving import Engine, create_app
+from moaspec.strategy import Strategy
 from servers import running
 
 pytestmark = pytest.mark.real

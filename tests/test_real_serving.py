@@ -13,9 +13,9 @@ import pytest
 from browser import Browser, chromium_path
 from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
-from moaspec.decoding.strategy import Strategy
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.serving import Engine, create_app
+from moaspec.strategy import Strategy
 from servers import running
 
 pytestmark = pytest.mark.real

@@ -23,12 +23,12 @@ from moaspec.chat import chat_messages, encode_chat
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.speculative import generate_chain
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape, generate_tree
 from moaspec.drafters import MoADrafter, load_drafter, shipped_drafter
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.drafters.proposers import MoAProposer
 from moaspec.specbench import load_questions
+from moaspec.strategy import Strategy
 from moaspec.training.dataset import Example, collate
 from moaspec.training.distill import accepted_runs, full_argmax, simulate_chain, step_matches
 from moaspec.training.features import target_pass

@@ -22,9 +22,9 @@ import torch
 from moaspec.chat import encode_chat, encode_text
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
 from moaspec.decoding.generation import GenerationResult
-from moaspec.decoding.strategy import Strategy
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.serving import Engine, create_app
+from moaspec.strategy import Strategy
 from servers import running
 
 KEY = "sk-test-key"

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from int4_products import LAYERS, SHAPES
 
 LM_HEAD = (49152, 576)  # SmolLM2-135M's vocabulary x width

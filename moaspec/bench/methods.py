@@ -26,7 +26,6 @@ from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters import load_drafter, shipped_drafter
 from moaspec.drafters.base import Drafter
@@ -36,6 +35,7 @@ from moaspec.drafters.independent import IndependentDrafter, to_hf_llama
 from moaspec.drafters.moa import MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.models.loading import LoadedModel
+from moaspec.strategy import Strategy
 
 Method = Callable[[Sequence[int], int], GenerationResult]
 KNOWN = ("vanilla", "moa", "moa-chain", "moa-pld", "moa-chain-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")

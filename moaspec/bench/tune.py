@@ -17,12 +17,12 @@ from moaspec.bench.methods import Method, strategy_method
 from moaspec.bench.run import run_bench
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.strategy import Strategy
 from moaspec.decoding.tree import TreeShape
 from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
 from moaspec.models.loading import LoadedModel
 from moaspec.specbench import Question
+from moaspec.strategy import Strategy
 from moaspec.tuned import Decoding
 
 PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "tune_prompts.jsonl"  # written for tuning, not SpecBench

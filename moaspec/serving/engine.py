@@ -1,7 +1,7 @@
 """Runs generations for a server: admission, worker threads, streaming, cancellation.
 
 Each request decodes on a worker thread with its own target cache and drafter state
-(see :class:`~moaspec.decoding.strategy.Strategy`); only the weights are shared. At
+(see :class:`~moaspec.strategy.Strategy`); only the weights are shared. At
 most ``parallel`` requests decode at once and at most ``max_queue`` more wait; a
 request beyond that is refused at once (:class:`Overloaded`, HTTP 503) rather than
 queued without bound. Torch releases the GIL inside its kernels, so parallel requests
@@ -27,10 +27,10 @@ from moaspec.batching import BatchedModel, ForwardBatcher
 from moaspec.cores import Cores, prefill_threads, working
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, TokenLogprob
 from moaspec.decoding.prefill import Prefill, PromptCache, SharedRead
-from moaspec.decoding.strategy import Strategy
 from moaspec.errors import MoaspecError
 from moaspec.heap import release_free_memory
 from moaspec.models.loading import LoadedModel
+from moaspec.strategy import Strategy
 
 
 class Overloaded(MoaspecError):

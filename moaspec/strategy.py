@@ -2,7 +2,9 @@
 
 The CLI, the server and the benchmarks all decode through :class:`Strategy`, so a
 setting means the same thing everywhere and each request gets its own caches and
-drafter state (nothing is shared between generations but the weights).
+drafter state (nothing is shared between generations but the weights). It sits above both
+``moaspec.decoding`` (the loops) and ``moaspec.drafters`` (what proposes), which it joins, so that
+neither of those imports the other's way up.
 """
 
 from __future__ import annotations
