@@ -16,6 +16,7 @@ dequantised fp32 weights as before.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,7 @@ def build() -> ModuleType:
     so an edited kernel is never confused with an old build."""
     from torch.utils import cpp_extension
 
+    _ninja_on_path()
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     # torch's parallel backend decides how at::parallel_for runs inside the kernel: OpenMP wants the flag
     ldflags = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
@@ -120,6 +122,18 @@ def build() -> ModuleType:
         print("moaspec: compiling the 4-bit CPU kernel once (about a minute) ...", file=sys.stderr)
     return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=ldflags,
                               build_directory=str(where), verbose=False)
+
+
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the ``ninja`` package this project installs puts it in the virtual
+    environment's bin, which is not on PATH when a script runs ``.venv/bin/python`` directly."""
+    try:
+        import ninja
+    except ImportError:  # then a system ninja, or the one-line fallback
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
 def why_not() -> str | None:
