@@ -11,7 +11,6 @@ cache and the Python between them). Medians of ``--repeats`` after two warm-ups.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from moaspec.models import load_model
+from forward_cost import timing_target  # beside this script
 from moaspec.models.gguf_blocks import dense_products
 from moaspec.models.packed_linear import Linear
 
@@ -35,15 +34,7 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--sizes", default="1,4,8")
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model, device="cpu", with_tokenizer=False).model
+    args, model = timing_target(__doc__, "1,4,8", 15)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     layers, head = linears[:-1], model.lm_head
     gen = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from moaspec.models import load_model
+from moaspec.models import Transformer, load_model
 from moaspec.models.packed_linear import (
     PAD_ROWS,
     Linear,
@@ -39,16 +39,22 @@ def elapsed_ms(fn: Callable[[], None]) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def timing_target(doc: str, sizes: str, repeats: int) -> tuple[argparse.Namespace, Transformer]:
+    """The options a forward-timing script takes (``--model``, ``--context``, ``--sizes``, ``--repeats``,
+    ``--threads``), parsed and applied, and the target loaded on the CPU (also ``forward_breakdown.py``'s)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--context", type=int, default=200, help="cached tokens before the new ones")
-    ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--sizes", default=sizes, help="numbers of new tokens, comma-separated")
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, device="cpu", with_tokenizer=False).model
+    return args, load_model(args.model, device="cpu", with_tokenizer=False).model
+
+
+def main() -> None:
+    args, model = timing_target(__doc__, "1,2,4,8,16,32,64", 10)
     measured = small_row_kernels()
     print(f"kernels measured at load: {measured}")
     gen = torch.Generator().manual_seed(0)
