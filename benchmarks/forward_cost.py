@@ -19,10 +19,12 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
 from moaspec.models import Transformer, load_model
+from moaspec.models.gguf_blocks import dense_products
 from moaspec.models.packed_linear import (
     PAD_ROWS,
     Linear,
@@ -62,7 +64,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     cache = model.new_cache(args.context + max(sizes))
     model(prefix, cache)
-    blocks = {m: m.blocks for m in model.modules() if isinstance(m, Linear) and m.blocks is not None}
+    blocks = any(m.blocks is not None for m in model.modules() if isinstance(m, Linear))
     names = (["blocks"] if blocks else []) + ["measured", "packed", "padded", "plain"]
     print(f"{'new tokens':>10}" + "".join(f"{n + ' ms':>13}" for n in names) + f"{names[0] + ' vs T=1':>17}")
     base = None
@@ -84,15 +86,12 @@ def main() -> None:
             for name, kernels in settings.items():
                 pack_linears(model, enable=kernels is not None)
                 set_small_row_kernels(kernels or measured)
-                for linear, b in blocks.items():
-                    linear.blocks = b if name == "blocks" else None
-                ms = elapsed_ms(step)
+                with nullcontext() if name == "blocks" else dense_products(model):
+                    ms = elapsed_ms(step)
                 if rep:
                     times[name].append(ms)
         pack_linears(model)
         set_small_row_kernels(measured)
-        for linear, b in blocks.items():
-            linear.blocks = b
         res = {n: statistics.median(ts) for n, ts in times.items()}
         base = base or res[names[0]]
         print(f"{T:>10}" + "".join(f"{res[n]:>13.1f}" if n in res else f"{'-':>13}" for n in names)

@@ -136,11 +136,6 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
-def why_not() -> str | None:
-    """Why :func:`kernel` gave ``None`` (after it was called), else ``None``."""
-    return _why_not
-
-
 def product(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     """``x @ W.T`` for fp32 ``x`` ``[rows, in]`` (contiguous) and block weights ``W`` (the kernel must exist)."""
     module = _module if _module is not None else kernel()

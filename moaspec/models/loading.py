@@ -24,6 +24,7 @@ from moaspec.errors import ModelLoadError, brief
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import PAD_ROWS, pack_linears, packing_refused
+from moaspec.models.sources import recorded_gguf
 from moaspec.models.transformer import Transformer, causal_mask
 
 
@@ -294,11 +295,8 @@ def load_tokenizer(path: Path) -> Any:
 def converted_from(path: Path) -> Path | None:
     """The GGUF file a model directory was converted from (:func:`~moaspec.models.sources.convert_gguf`), if it
     still exists."""
-    try:
-        gguf = Path(json.loads((path / "moaspec-source.json").read_text())["gguf"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return gguf if gguf.is_file() else None
+    recorded = recorded_gguf(path)
+    return Path(recorded) if recorded is not None and Path(recorded).is_file() else None
 
 
 def load_model_dir(

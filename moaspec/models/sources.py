@@ -164,15 +164,16 @@ def resolve_model(spec: str | None) -> Path:
     source = dest / "moaspec-source.json"
     if not source.is_file():
         convert_gguf(gguf, dest)
-    elif _recorded_gguf(source) != str(gguf.resolve()):
+    elif recorded_gguf(dest) != str(gguf.resolve()):
         # the same bytes converted from another path (another virtual environment's copy, perhaps since deleted):
         # name this one, which the loader reads the 4-bit blocks from
         atomic_write_text(source, json.dumps({"gguf": str(gguf.resolve()), "format": CACHE_FORMAT}))
     return dest
 
 
-def _recorded_gguf(source: Path) -> str | None:
+def recorded_gguf(model_dir: Path) -> str | None:
+    """The GGUF path a converted model directory's ``moaspec-source.json`` names (``None``: not a conversion)."""
     try:
-        return str(json.loads(source.read_text())["gguf"])
+        return str(json.loads((model_dir / "moaspec-source.json").read_text())["gguf"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
