@@ -3,7 +3,8 @@
 This is the curve that decides chain lengths and tree budgets: how much more a
 verification of T tokens costs than a single decoding step. For a GGUF target "blocks" is the
 runtime's default: the file's 4-bit blocks through the compiled kernel (products of up to
-``BLOCK_MAX_ROWS`` rows). "measured" runs the dequantised fp32 weights as a model directory
+``BLOCK_MAX_ROWS`` rows), inside the compiled layers (``decode_layers.cpp``); "torch-ops" reads the
+same blocks with the layers' other operations run by torch, one Python call each. "measured" runs the dequantised fp32 weights as a model directory
 does (per small row count, the kernel this process measured fastest at load); the other columns
 force one fp32 kernel for every small product: oneDNN's prepacked weights ("packed"), the same
 on rows zero-padded to ``PAD_ROWS`` ("padded", below ``PAD_ROWS`` tokens only) and MKL's
@@ -24,6 +25,7 @@ from contextlib import nullcontext
 import torch
 
 from moaspec.models import Transformer, load_model
+from moaspec.models.fused_layers import torch_layers
 from moaspec.models.gguf_blocks import dense_products
 from moaspec.models.packed_linear import (
     PAD_ROWS,
@@ -65,15 +67,18 @@ def main() -> None:
     cache = model.new_cache(args.context + max(sizes))
     model(prefix, cache)
     blocks = any(m.blocks is not None for m in model.modules() if isinstance(m, Linear))
-    names = (["blocks"] if blocks else []) + ["measured", "packed", "padded", "plain"]
+    fused = model.fused is not None
+    names = (["blocks"] if blocks else []) + (["torch-ops"] if fused else []) + ["measured", "packed", "padded", "plain"]
     print(f"{'new tokens':>10}" + "".join(f"{n + ' ms':>13}" for n in names) + f"{names[0] + ' vs T=1':>17}")
     base = None
     for T in sizes:
         toks = torch.randint(0, model.cfg.vocab_size, (1, T), generator=gen)
-        settings = {"blocks": measured, "measured": measured, "packed": SmallRowKernels.uniform("packed"),
+        settings = {"blocks": measured, "torch-ops": measured, "measured": measured, "packed": SmallRowKernels.uniform("packed"),
                     "padded": SmallRowKernels.uniform("padded"), "plain": None}
         if not blocks:
             del settings["blocks"]
+        if not fused:
+            del settings["torch-ops"]
         if T >= PAD_ROWS:
             del settings["padded"]
         times: dict[str, list[float]] = {n: [] for n in settings}
@@ -86,7 +91,8 @@ def main() -> None:
             for name, kernels in settings.items():
                 pack_linears(model, enable=kernels is not None)
                 set_small_row_kernels(kernels or measured)
-                with nullcontext() if name == "blocks" else dense_products(model):
+                path = {"blocks": nullcontext(), "torch-ops": torch_layers(model)}.get(name) or dense_products(model)
+                with path:
                     ms = elapsed_ms(step)
                 if rep:
                     times[name].append(ms)

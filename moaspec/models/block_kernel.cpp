@@ -25,6 +25,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "block_kernel.h"
+
+namespace moaspec {
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -50,14 +53,6 @@ inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
             w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd, vm);
         }
     }
-}
-
-// The fixed reduction of an 8-lane accumulator: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
-inline float reduce(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 template <int Bits>
@@ -172,35 +167,60 @@ void many_rows(const float* x, const uint8_t* q, const float* d, const float* m,
 constexpr int64_t kGrain = 64;
 
 template <int Bits>
-torch::Tensor product(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-                "x must be a contiguous 2-D fp32 CPU tensor");
-    TORCH_CHECK(q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.is_contiguous(), "codes must be contiguous 2-D uint8");
-    const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-    TORCH_CHECK(K % kBlock == 0, "the input width must be a multiple of 32");
-    TORCH_CHECK(q.size(1) == K / kBlock * block_bytes<Bits>(), "codes do not match the input width");
-    TORCH_CHECK(d.scalar_type() == torch::kFloat32 && m.scalar_type() == torch::kFloat32 && d.is_contiguous() &&
-                m.is_contiguous() && d.numel() == N * (K / kBlock) && m.numel() == d.numel(),
-                "scales and offsets must be contiguous fp32, one per block");
-    auto y = torch::empty({M, N}, x.options());
-    const float* xp = x.data_ptr<float>();
-    const uint8_t* qp = q.data_ptr<uint8_t>();
-    const float* dp = d.data_ptr<float>();
-    const float* mp = m.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
+void product_into(const float* x, int64_t M, const BlockView& w, float* y) {
+    const int64_t K = w.cols, N = w.rows;
     at::parallel_for(0, (N + kGrain - 1) / kGrain, 1, [&](int64_t t0, int64_t t1) {
         const int64_t n0 = t0 * kGrain, n1 = std::min(N, t1 * kGrain);
         if (M == 1)
-            one_row<Bits>(xp, qp, dp, mp, yp, K, n0, n1);
+            one_row<Bits>(x, w.codes, w.scales, w.offsets, y, K, n0, n1);
         else
-            many_rows<Bits>(xp, qp, dp, mp, yp, M, K, N, n0, n1);
+            many_rows<Bits>(x, w.codes, w.scales, w.offsets, y, M, K, N, n0, n1);
     });
+}
+
+}  // namespace
+
+void block_product(const float* x, int64_t M, const BlockView& w, float* y) {
+    if (w.bits == 4)
+        product_into<4>(x, M, w, y);
+    else
+        product_into<8>(x, M, w, y);
+}
+
+BlockView block_view(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m, int64_t bits) {
+    TORCH_CHECK(bits == 4 || bits == 8, "blocks hold 4- or 8-bit codes, not ", bits);
+    TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.is_contiguous(),
+                "codes must be contiguous 2-D uint8 CPU tensors");
+    TORCH_CHECK(d.scalar_type() == torch::kFloat32 && m.scalar_type() == torch::kFloat32 && d.dim() == 2 &&
+                d.is_contiguous() && m.is_contiguous() && m.sizes() == d.sizes() && d.size(0) == q.size(0),
+                "scales and offsets must be contiguous fp32, one per block");
+    const int64_t blocks = d.size(1);
+    TORCH_CHECK(q.size(1) == blocks * (bits == 4 ? kBlock / 2 : kBlock), "codes do not match the scales");
+    return BlockView{static_cast<int>(bits), q.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(),
+                     q.size(0), blocks * kBlock};
+}
+
+}  // namespace moaspec
+
+namespace {
+
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m,
+                      int64_t bits) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+                "x must be a contiguous 2-D fp32 CPU tensor");
+    const moaspec::BlockView w = moaspec::block_view(q, d, m, bits);
+    TORCH_CHECK(x.size(1) == w.cols, "x has ", x.size(1), " columns and the weight ", w.cols);
+    auto y = torch::empty({x.size(0), w.rows}, x.options());
+    moaspec::block_product(x.data_ptr<float>(), x.size(0), w, y.data_ptr<float>());
     return y;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-    module.def("q4", &product<4>, "y = x @ W.T for 4-bit block codes W (fp32 arithmetic)");
-    module.def("q8", &product<8>, "y = x @ W.T for 8-bit block codes W (fp32 arithmetic)");
+    module.def("q4", [](const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
+        return product(x, q, d, m, 4); }, "y = x @ W.T for 4-bit block codes W (fp32 arithmetic)");
+    module.def("q8", [](const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
+        return product(x, q, d, m, 8); }, "y = x @ W.T for 8-bit block codes W (fp32 arithmetic)");
+    moaspec::register_layers(module);
 }

@@ -26,7 +26,8 @@ import torch
 
 from moaspec.models.sources import cache_root
 
-SOURCE = Path(__file__).with_name("block_kernel.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("block_kernel.cpp", "decode_layers.cpp")]
+HEADER = Path(__file__).with_name("block_kernel.h")
 BLOCK = 32  # weights per block along the input dimension
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off",  # no contraction: the .cpp's arithmetic is written out
          "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds, inlined here: without it, one thread
@@ -112,7 +113,8 @@ def build() -> ModuleType:
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    digest = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     # torch's parallel backend decides how at::parallel_for runs inside the kernel: OpenMP wants the flag
     ldflags = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
     name = f"moaspec_block_kernel_{digest}"
@@ -120,7 +122,7 @@ def build() -> ModuleType:
     where.mkdir(parents=True, exist_ok=True)
     if not (where / f"{name}.so").exists():
         print("moaspec: compiling the 4-bit CPU kernel once (about a minute) ...", file=sys.stderr)
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=ldflags,
+    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=ldflags,
                               build_directory=str(where), verbose=False)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from moaspec.models.block_kernel import BlockWeights, kernel
+from moaspec.models.fused_layers import fuse_layers, torch_layers
 from moaspec.models.packed_linear import Linear
 from moaspec.models.transformer import Transformer
 
@@ -104,6 +105,7 @@ def attach_gguf_blocks(model: Transformer, model_dir: Path, gguf: Path) -> str:
             nbytes += b.nbytes
     if attached == 0:
         return f"none of {gguf.name}'s weights is Q4_0, Q4_1 or Q8_0 as converted"
+    model.fused = fuse_layers(model)
     tail = f"; {len(linears) - attached} keep fp32" if attached < len(linears) else ""
     return f"{attached} weights read as 4/8-bit blocks ({nbytes / 2**20:.0f} MiB){tail}"
 
@@ -186,7 +188,8 @@ def dense_products(model: torch.nn.Module) -> Iterator[None]:
     for m in held:
         m.blocks = None
     try:
-        yield
+        with torch_layers(model):  # the compiled layers read the blocks
+            yield
     finally:
         for m, b in held.items():
             m.blocks = b

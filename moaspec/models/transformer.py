@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moaspec.models.config import ModelConfig
+from moaspec.models.fused_layers import FUSED_MAX_TOKENS
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import Linear
 
@@ -242,6 +243,8 @@ class Transformer(nn.Module):
     """A Llama/Qwen2/Qwen3/Mistral decoder with explicit positions, masks and cache control."""
 
     fingerprint: str = ""  # identity of the weights it was loaded from (set by the loader)
+    # the compiled layers over a GGUF target's blocks (moaspec.models.fused_layers), set where they apply
+    fused: Any = None
     rope_cos: torch.Tensor  # buffers, registered in __init__
     rope_sin: torch.Tensor
 
@@ -324,6 +327,8 @@ class Transformer(nn.Module):
         last = self.cfg.num_layers if last is None else last
         if first < self.first_block:
             raise ValueError(f"this model holds blocks {self.first_block}.. only, not block {first}")
+        if self.fused is not None and fused_applies(h, cache):
+            return self._run_fused(h, cache, positions, mask, first, last, cache_layer_offset, hidden_after)
         cos, sin = self.rope(positions)
         start = cache.length
         if mask is not None and mask.dim() == 2:
@@ -339,6 +344,26 @@ class Transformer(nn.Module):
             if i + 1 in hidden_after:
                 captured[i + 1] = h
         return h, captured
+
+    def _run_fused(
+        self, h: torch.Tensor, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor | None, first: int,
+        last: int, cache_layer_offset: int, hidden_after: tuple[int, ...],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`run_blocks` through the compiled layers: the same blocks, run in stretches that end where a
+        layer's output is asked for."""
+        T = h.shape[1]
+        pos = positions.reshape(T)
+        cos, sin = self.rope_cos[pos].contiguous(), self.rope_sin[pos].contiguous()
+        flat = None if mask is None else mask.reshape(T, -1).contiguous()
+        stops = sorted({first, last, *(k for k in hidden_after if first < k < last)})
+        captured = {first: h} if first in hidden_after else {}
+        x, base = h[0], self.first_block
+        for a, b in zip(stops, stops[1:]):
+            x = self.fused.run(x, cache.keys, cache.values, cos, sin, cache.length, flat, a - base, b - base,
+                               cache_layer_offset - base)
+            if b in hidden_after:
+                captured[b] = x[None]
+        return x[None], captured
 
     @torch.inference_mode()
     def forward(
@@ -444,6 +469,14 @@ class Transformer(nn.Module):
         if mask is not None and window:
             mask = apply_sliding_window(mask, positions, start, window)
         return mask
+
+
+def fused_applies(h: torch.Tensor, cache: KVCache) -> bool:
+    """Whether the compiled layers can run these blocks: one sequence of at most ``FUSED_MAX_TOKENS`` new fp32
+    tokens on a CPU, no gradient wanted, and an fp32 cache laid out as they read it."""
+    return (h.dim() == 3 and h.shape[0] == 1 and 0 < h.shape[1] <= FUSED_MAX_TOKENS and h.dtype == torch.float32
+            and h.device.type == "cpu" and not (torch.is_grad_enabled() and h.requires_grad)
+            and cache.keys.dtype == torch.float32 and cache.keys.is_contiguous() and cache.values.is_contiguous())
 
 
 def _attend_each(attn: Attention, layer: int, calls: Sequence[Call], spans: Sequence[tuple[Any, ...]],

@@ -1,0 +1,38 @@
+// What block_kernel.cpp (the products) and decode_layers.cpp (the layers around them) share.
+#pragma once
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace moaspec {
+
+// A weight [rows, cols] as GGUF-style blocks of 32 along cols: codes, and one fp32 scale and offset per block.
+struct BlockView {
+    int bits;  // 4: two codes a byte (ggml's nibble order); 8: one signed code a byte
+    const uint8_t* codes;
+    const float* scales;
+    const float* offsets;
+    int64_t rows, cols;
+};
+
+// A view of the tensors' data, checked; the tensors must outlive it.
+BlockView block_view(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits);
+
+// y[M, w.rows] = x[M, w.cols] @ W.T in fp32, threads through at::parallel_for; each y[i, n] bitwise
+// independent of M and of the thread count.
+void block_product(const float* x, int64_t M, const BlockView& w, float* y);
+
+// The fixed reduction of an 8-lane accumulator: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
+inline float reduce(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Adds decode_layers.cpp's Layers class to the extension module.
+void register_layers(pybind11::module& module);
+
+}  // namespace moaspec
