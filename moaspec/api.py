@@ -98,6 +98,8 @@ def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, 
         found = load_tuned(machine_key(target, path, loaded))
         if found is not None:
             best, source = found
+            if not best.drafts:  # measured: plain decoding is the fastest here
+                return Strategy(tuned_from=str(source))
             return Strategy(loaded, chain=best.chain, tree=best.tree, lookup=best.lookup, tuned_from=str(source))
     return Strategy(loaded, chain=chain, tree=tree, lookup=lookup, confidence=confidence)
 

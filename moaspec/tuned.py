@@ -36,30 +36,39 @@ FORMAT = "moaspec-tuned"
 
 @dataclass(frozen=True)
 class Decoding:
-    """A drafter's decoding settings: chains of ``chain`` or a ``tree``, after up to ``lookup`` prompt-lookup drafts."""
+    """A drafter's decoding settings: chains of ``chain`` or a ``tree``, after up to ``lookup`` prompt-lookup drafts;
+    or, with ``drafts`` false, plain decoding, where no setting that drafts was faster (a CPU whose target step is
+    cheap beside a drafting step)."""
 
     chain: int = DEFAULT_CHAIN
     tree: TreeShape | None = None
     lookup: int = DEFAULT_LOOKUP
+    drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.chain < 1 or self.lookup < 0:
             raise MoaspecError(f"a chain needs >= 1 draft and lookup >= 0 drafts, got {self.chain} and {self.lookup}")
 
     def name(self) -> str:
+        if not self.drafts:
+            return "vanilla"  # as the benchmark names plain decoding
         shape = (f"tree-{self.tree.depth}x{self.tree.top_k}-{self.tree.total}" if self.tree is not None
                  else f"chain-{self.chain}")
         return f"lookup-{self.lookup}+{shape}" if self.lookup else shape
 
     def to_json(self) -> dict[str, Any]:
         tree = None if self.tree is None else {"depth": self.tree.depth, "top_k": self.tree.top_k, "total": self.tree.total}
-        return {"chain": self.chain, "tree": tree, "lookup": self.lookup}
+        return {"chain": self.chain, "tree": tree, "lookup": self.lookup, "drafts": self.drafts}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Decoding:
         tree = obj["tree"]
         return cls(int(obj["chain"]), None if tree is None else TreeShape(int(tree["depth"]), int(tree["top_k"]),
-                                                                          int(tree["total"])), int(obj["lookup"]))
+                                                                          int(tree["total"])), int(obj["lookup"]),
+                   bool(obj.get("drafts", True)))  # settings saved before plain decoding could win draft
+
+
+PLAIN = Decoding(lookup=0, drafts=False)
 
 
 def machine_key(target: LoadedModel, drafter_path: str | Path, drafter: Drafter | None = None) -> dict[str, Any]:

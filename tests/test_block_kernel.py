@@ -21,9 +21,9 @@ def random_blocks(bits: int, out: int, inner: int, seed: int = 0) -> BlockWeight
     g = torch.Generator().manual_seed(seed)
     blocks = inner // 32
     codes = torch.randint(0, 256, (out, blocks * (16 if bits == 4 else 32)), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half().float()
+    scales = (torch.rand(out, blocks, generator=g) * 0.02 + 1e-3).half()
     offsets = (-8 * scales if bits == 4 else torch.zeros_like(scales)) + (torch.randn(out, blocks, generator=g) * 1e-3
-                                                                          ).half().float() * (bits == 4)
+                                                                          ).half() * (bits == 4)
     return BlockWeights(bits, codes, scales, offsets)
 
 

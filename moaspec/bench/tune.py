@@ -23,7 +23,7 @@ from moaspec.errors import MoaspecError
 from moaspec.models.loading import LoadedModel
 from moaspec.specbench import Question
 from moaspec.strategy import Strategy
-from moaspec.tuned import Decoding
+from moaspec.tuned import PLAIN, Decoding
 
 PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "tune_prompts.jsonl"  # written for tuning, not SpecBench
 
@@ -48,7 +48,9 @@ def grid(device_type: str, lookup: int = DEFAULT_LOOKUP) -> list[Decoding]:
 
 def tune(target: LoadedModel, drafter: Drafter, questions: list[Question], max_new: int, output: Path,
          settings: list[Decoding], progress: bool = True) -> tuple[Decoding, dict[str, Any]]:
-    """Run ``settings`` beside plain decoding over ``questions``; the fastest setting and the run's summary.
+    """Run ``settings`` beside plain decoding over ``questions``; the fastest of them and plain decoding
+    (:data:`~moaspec.tuned.PLAIN`, which wins where every drafting setting costs more than it saves), and the
+    run's summary.
 
     Every answer must equal plain decoding's (greedy): a difference is a bug, and nothing is chosen.
     """
@@ -64,8 +66,9 @@ def tune(target: LoadedModel, drafter: Drafter, questions: list[Question], max_n
     if wrong:
         raise MoaspecError(f"{', '.join(wrong)} did not reproduce plain decoding's greedy answers (a bug: please "
                            f"report it with {output}/answers.jsonl); nothing was saved")
-    best = max(by_name, key=lambda name: overall[name]["tokens_per_s"])
-    return by_name[best], summary
+    candidates = {**by_name, PLAIN.name(): PLAIN}
+    best = max(candidates, key=lambda name: overall[name]["tokens_per_s"])
+    return candidates[best], summary
 
 
 def report(summary: dict[str, Any], best: Decoding, default: Decoding) -> str:

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.no_save:
         return 0
     saved = save_tuned(key, best, {k: v["overall"] for k, v in summary["results"].items()})
-    print(f"saved to {saved}: `moaspec generate`, `serve` and moaspec.load() now decode with {best.name()} for this "
+    how = best.name() if best.drafts else "plain decoding (no setting that drafts was faster here)"
+    print(f"saved to {saved}: `moaspec generate`, `serve` and moaspec.load() now decode with {how} for this "
           "target, drafter, device and thread count when no decoding option is given (--no-tuned, or deleting the "
           "file, restores the built-in default)")
     return 0

@@ -1,10 +1,11 @@
 // Products of fp32 activations with GGUF-style block-quantised weights, in fp32 arithmetic.
 //
 // Weights stay packed as blocks of 32 along the input dimension: 4-bit codes (Q4_0, Q4_1) or 8-bit
-// ones (Q8_0), each block with an fp32 scale d and offset m. Every weight is rebuilt in registers as
-// fma(q, d, m), which is exactly the fp32 dequantisation d*q + m (d*q needs at most 19 significant bits,
-// so it is exact and the one rounding is the sum's), and multiplied with fp32 activations into fp32
-// accumulators. Nothing is rounded to 8 or 16 bits: results differ from a product with the dequantised
+// ones (Q8_0), each block with a scale d and an offset m stored in fp16 as GGUF stores them (8-bit blocks
+// have no offset: m = 0 is not read). Every weight is rebuilt in registers as fma(q, d, m) (d*q for 8-bit
+// codes), which is exactly the fp32 dequantisation d*q + m (fp16 widens to fp32 exactly, and d*q needs at
+// most 19 significant bits, so it is exact and the one rounding is the sum's), and multiplied with fp32
+// activations into fp32 accumulators. Nothing is rounded to 8 or 16 bits: results differ from a product with the dequantised
 // fp32 matrix only by the order of the fp32 sums.
 //
 // Every output y[m, n] is one 8-lane accumulator over the input in a fixed order, reduced in a fixed
@@ -34,15 +35,16 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsAtOnce = 4;    // weight rows decoded together
 constexpr int64_t kActTile = 3;       // activation rows per tile of the several-row loop
 
-// The 32 weights of one block as four 8-lane vectors, exactly fma(q, d, m).
+// The 32 weights of one block as four 8-lane vectors: exactly fma(q, d, m) for 4-bit codes, d*q for 8-bit ones.
 template <int Bits>
 inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    const __m256 vd = _mm256_set1_ps(d);
     if constexpr (Bits == 4) {  // ggml's order: low nibbles are elements 0..15, high nibbles 16..31
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
         const __m128i mask = _mm_set1_epi8(0x0F);
         const __m128i lo = _mm_and_si128(bytes, mask);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        const __m256 vm = _mm256_set1_ps(m);
         w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm);
         w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm);
         w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm);
@@ -50,7 +52,7 @@ inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
     } else {  // signed 8-bit codes, in order
         for (int j = 0; j < 4; ++j) {
             const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
-            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd, vm);
+            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
         }
     }
 }
@@ -58,16 +60,34 @@ inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
 template <int Bits>
 constexpr int64_t block_bytes() { return Bits == 4 ? kBlock / 2 : kBlock; }
 
+// n fp16 values widened to fp32 (exactly), 8 at a time: the scales and offsets of a few weight rows, once, so
+// that the block loops broadcast fp32 values instead of converting one half per block.
+template <int Bits>
+void widen(const uint16_t* d, const uint16_t* m, int64_t n, float* df, float* mf) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(df + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + i))));
+        if constexpr (Bits == 4)
+            _mm256_storeu_ps(mf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + i))));
+    }
+    for (; i < n; ++i) {
+        df[i] = _cvtsh_ss(d[i]);
+        if constexpr (Bits == 4) mf[i] = _cvtsh_ss(m[i]);
+    }
+}
+
 // y[0, n0:n1] for one activation row: weight rows in fours, each block decoded in registers and used at once.
 template <int Bits>
-void one_row(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+void one_row(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* y,
              int64_t K, int64_t n0, int64_t n1) {
     const int64_t blocks = K / kBlock, bb = block_bytes<Bits>(), qrow = blocks * bb;
+    std::vector<float> widened(2 * kRowsAtOnce * blocks, 0.0f);
+    float* d0 = widened.data();
+    float* m0 = d0 + kRowsAtOnce * blocks;
     int64_t n = n0;
     for (; n + kRowsAtOnce <= n1; n += kRowsAtOnce) {
         const uint8_t* q0 = q + n * qrow;
-        const float* d0 = d + n * blocks;
-        const float* m0 = m + n * blocks;
+        widen<Bits>(d + n * blocks, m + n * blocks, kRowsAtOnce * blocks, d0, m0);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t b = 0; b < blocks; ++b) {
             const float* xb = x + b * kBlock;
@@ -93,9 +113,10 @@ void one_row(const float* x, const uint8_t* q, const float* d, const float* m, f
     }
     for (; n < n1; ++n) {
         __m256 acc = _mm256_setzero_ps();
+        widen<Bits>(d + n * blocks, m + n * blocks, blocks, d0, m0);
         for (int64_t b = 0; b < blocks; ++b) {
             __m256 w[4];
-            decode_block<Bits>(q + n * qrow + b * bb, d[n * blocks + b], m[n * blocks + b], w);
+            decode_block<Bits>(q + n * qrow + b * bb, d0[b], m0[b], w);
             for (int j = 0; j < 4; ++j) acc = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + b * kBlock + 8 * j), acc);
         }
         y[n] = reduce(acc);
@@ -105,18 +126,21 @@ void one_row(const float* x, const uint8_t* q, const float* d, const float* m, f
 // y[:, n0:n1] for M activation rows: weight rows decoded in fours into `buf` (4 x K floats), then tiles of
 // kActTile activation rows x 4 weight rows, each (row, weight row) one accumulator as in one_row.
 template <int Bits>
-void many_rows(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* y,
                int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
     const int64_t blocks = K / kBlock, qrow = blocks * block_bytes<Bits>();
-    std::vector<float> storage(kRowsAtOnce * K + 16);
+    std::vector<float> storage(kRowsAtOnce * K + 16), widened(2 * blocks, 0.0f);
     float* buf = storage.data();
+    float* df = widened.data();
+    float* mf = df + blocks;
     for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
         const int64_t rows = std::min(kRowsAtOnce, n1 - n);
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = n + r;
+            widen<Bits>(d + row * blocks, m + row * blocks, blocks, df, mf);
             for (int64_t b = 0; b < blocks; ++b) {
                 __m256 w[4];
-                decode_block<Bits>(q + row * qrow + b * block_bytes<Bits>(), d[row * blocks + b], m[row * blocks + b], w);
+                decode_block<Bits>(q + row * qrow + b * block_bytes<Bits>(), df[b], mf[b], w);
                 for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * K + b * kBlock + 8 * j, w[j]);
             }
         }
@@ -191,13 +215,13 @@ BlockView block_view(const torch::Tensor& q, const torch::Tensor& d, const torch
     TORCH_CHECK(bits == 4 || bits == 8, "blocks hold 4- or 8-bit codes, not ", bits);
     TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.is_contiguous(),
                 "codes must be contiguous 2-D uint8 CPU tensors");
-    TORCH_CHECK(d.scalar_type() == torch::kFloat32 && m.scalar_type() == torch::kFloat32 && d.dim() == 2 &&
+    TORCH_CHECK(d.scalar_type() == torch::kHalf && m.scalar_type() == torch::kHalf && d.dim() == 2 &&
                 d.is_contiguous() && m.is_contiguous() && m.sizes() == d.sizes() && d.size(0) == q.size(0),
-                "scales and offsets must be contiguous fp32, one per block");
+                "scales and offsets must be contiguous fp16, one per block");
     const int64_t blocks = d.size(1);
     TORCH_CHECK(q.size(1) == blocks * (bits == 4 ? kBlock / 2 : kBlock), "codes do not match the scales");
-    return BlockView{static_cast<int>(bits), q.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(),
-                     q.size(0), blocks * kBlock};
+    return BlockView{static_cast<int>(bits), q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                     reinterpret_cast<const uint16_t*>(m.data_ptr()), q.size(0), blocks * kBlock};
 }
 
 }  // namespace moaspec

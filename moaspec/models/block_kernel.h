@@ -8,12 +8,12 @@
 
 namespace moaspec {
 
-// A weight [rows, cols] as GGUF-style blocks of 32 along cols: codes, and one fp32 scale and offset per block.
+// A weight [rows, cols] as GGUF-style blocks of 32 along cols: codes, and one fp16 scale and offset per block.
 struct BlockView {
-    int bits;  // 4: two codes a byte (ggml's nibble order); 8: one signed code a byte
+    int bits;  // 4: two codes a byte (ggml's nibble order); 8: one signed code a byte, no offset
     const uint8_t* codes;
-    const float* scales;
-    const float* offsets;
+    const uint16_t* scales;   // fp16 bits
+    const uint16_t* offsets;  // fp16 bits; not read for 8-bit codes
     int64_t rows, cols;
 };
 

@@ -29,21 +29,27 @@ from moaspec.models.sources import cache_root
 SOURCES = [Path(__file__).with_name(n) for n in ("block_kernel.cpp", "decode_layers.cpp")]
 HEADER = Path(__file__).with_name("block_kernel.h")
 BLOCK = 32  # weights per block along the input dimension
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off",  # no contraction: the .cpp's arithmetic is written out
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",  # no contraction: the .cpp's arithmetic is written out
          "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds, inlined here: without it, one thread
 # (the extension then shares torch's own libgomp.so.1, already loaded, so both use one thread pool)
 
 
 @dataclass(frozen=True)
 class BlockWeights:
-    """A weight ``[out, in]`` as blocks of 32 along ``in``: codes, and each block's fp32 scale ``d`` and
-    offset ``m``, so that weight = d·q + m exactly. ``bits`` 4: two codes a byte (ggml's nibble order), 0..15;
-    8: one signed code a byte."""
+    """A weight ``[out, in]`` as blocks of 32 along ``in``: codes, and each block's scale ``d`` and offset ``m`` in
+    fp16, as GGUF stores them, so that weight = d·q + m exactly. ``bits`` 4: two codes a byte (ggml's nibble
+    order), 0..15; 8: one signed code a byte, and offsets of 0 (the kernel does not read them)."""
 
     bits: int
     codes: torch.Tensor  # uint8 [out, in / 32 * (16 or 32)]
-    scales: torch.Tensor  # fp32 [out, in / 32]
-    offsets: torch.Tensor  # fp32 [out, in / 32]
+    scales: torch.Tensor  # fp16 [out, in / 32]
+    offsets: torch.Tensor  # fp16 [out, in / 32]
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != torch.uint8 or self.scales.dtype != torch.float16 or self.offsets.dtype != torch.float16:
+            raise ValueError("blocks hold uint8 codes and fp16 scales and offsets")
+        if self.bits == 8 and bool(self.offsets.any()):
+            raise ValueError("8-bit blocks have no offset (Q8_0): their offsets must be 0")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -61,7 +67,7 @@ class BlockWeights:
             q = torch.cat([lo, hi], dim=-1).float()
         else:
             q = self.codes.view(torch.int8).view(out, blocks, BLOCK).float()
-        return (q * self.scales[..., None] + self.offsets[..., None]).reshape(out, blocks * BLOCK)
+        return (q * self.scales.float()[..., None] + self.offsets.float()[..., None]).reshape(out, blocks * BLOCK)
 
     def rows(self, index: torch.Tensor) -> BlockWeights:
         """These blocks with their output rows reordered (or selected) by ``index``."""

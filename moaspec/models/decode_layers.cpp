@@ -72,6 +72,32 @@ inline float dot(const float* q, const float* k, int64_t D) {
     return reduce(acc);
 }
 
+// out = Σ_j p[j] · V[seen[j]] over D floats, each lane summed over j in order. Lanes (8 at a time) are
+// independent, so the loop runs over j outside and keeps every lane's sum in a register (Lanes = D / 8),
+// instead of one dependent chain per lane group.
+template <int Lanes>
+void weighted_values(const float* p, const float* V, const int64_t* seen, int64_t n, float* out, float total) {
+    __m256 acc[Lanes];
+    for (int i = 0; i < Lanes; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float* v = V + seen[j] * (8 * Lanes);
+        for (int i = 0; i < Lanes; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    }
+    const __m256 t = _mm256_set1_ps(total);
+    for (int i = 0; i < Lanes; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_div_ps(acc[i], t));
+}
+
+// The same for any D (a multiple of 8): 8 lanes at a time, each summed over j in the same order.
+void weighted_values_any(const float* p, const float* V, const int64_t* seen, int64_t n, int64_t D, float* out,
+                         float total) {
+    for (int64_t i = 0; i < D; i += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(V + seen[j] * D + i), acc);
+        _mm256_storeu_ps(out + i, _mm256_div_ps(acc, _mm256_set1_ps(total)));
+    }
+}
+
 // One query's attention over the `n` keys listed in `seen` (cache rows, in order): softmax(q·K/√D)·V into out.
 // `scores` has room for n rounded up to 8.
 void attend_one(const float* q, const float* K, const float* V, const int64_t* seen, int64_t n, int64_t D,
@@ -84,18 +110,19 @@ void attend_one(const float* q, const float* K, const float* V, const int64_t* s
     const int64_t padded = (n + 7) / 8 * 8;
     for (int64_t j = n; j < padded; ++j) scores[j] = -std::numeric_limits<float>::infinity();  // exp gives 0
     const __m256 vtop = _mm256_set1_ps(top);
-    __m256 total = _mm256_setzero_ps();
+    __m256 sum = _mm256_setzero_ps();
     for (int64_t j = 0; j < padded; j += 8) {
         const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vtop));
         _mm256_storeu_ps(scores + j, p);
-        total = _mm256_add_ps(total, p);
+        sum = _mm256_add_ps(sum, p);
     }
-    for (int64_t i = 0; i < D; i += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(V + seen[j] * D + i), acc);
-        _mm256_storeu_ps(out + i, _mm256_div_ps(acc, _mm256_set1_ps(reduce(total))));
-    }
+    const float total = reduce(sum);
+    if (D == 64)
+        weighted_values<8>(scores, V, seen, n, out, total);
+    else if (D == 128)
+        weighted_values<16>(scores, V, seen, n, out, total);
+    else
+        weighted_values_any(scores, V, seen, n, D, out, total);
 }
 
 // x[i] = silu(gate[i]) · up[i] = gate / (1 + e^-gate) · up, for n floats (n a multiple of 8).

@@ -49,9 +49,9 @@ def blocks_of(tensor: object) -> BlockWeights | None:
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
     out = raw.shape[0]
     blocks = raw.reshape(out, -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
         codes = blocks[..., 4:]
     elif kind == "Q4_0":
         m, codes = -8 * d, blocks[..., 2:]
@@ -75,7 +75,7 @@ def same_weight(blocks: BlockWeights, dense: torch.Tensor) -> bool:
     return torch.equal(blocks.rows(rows).dequantise(), dense.detach()[rows].float())
 
 
-BLOCKS_FILE = "gguf-blocks-v1.safetensors"  # beside the converted weights: reading the GGUF's index takes seconds
+BLOCKS_FILE = "gguf-blocks-v2.safetensors"  # beside the converted weights: reading the GGUF's index takes seconds
 
 
 def attach_gguf_blocks(model: Transformer, model_dir: Path, gguf: Path) -> str:
