@@ -86,7 +86,8 @@ def test_logits_match_transformers(real_model, hf, prompt: str, packed: bool, ke
 
 def test_the_default_target_decodes_from_its_gguf_blocks(real_model) -> None:  # type: ignore[no-untyped-def]
     """Every linear layer of the default (Q4_1 layers, a Q8_0 embedding as lm_head) reads its blocks, on a CPU
-    that can run the kernel; each was checked bit for bit against the dense weight when the model loaded."""
+    that can run the kernel, and its layers run compiled around them (decode_layers.cpp); each weight was checked
+    bit for bit against the dense weight when the model loaded."""
     from moaspec.models.block_kernel import cpu_supported
     from moaspec.models.packed_linear import Linear
 
@@ -94,6 +95,7 @@ def test_the_default_target_decodes_from_its_gguf_blocks(real_model) -> None:  #
         pytest.skip(str(cpu_supported()))
     kinds = [m.blocks.bits if m.blocks is not None else None for m in real_model.model.modules() if isinstance(m, Linear)]
     assert kinds == [4] * (len(kinds) - 1) + [8]
+    assert real_model.model.fused is not None
 
 
 def test_greedy_equals_transformers_generate(real_model, hf) -> None:  # type: ignore[no-untyped-def]
