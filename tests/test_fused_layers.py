@@ -102,3 +102,15 @@ def test_the_compiled_layers_refuse_inputs_that_do_not_fit_with_a_clear_error(ta
         target.fused.run(x, cache.keys, cache.values, cos, sin, 8, None, 0, 1, 0)
     with pytest.raises(RuntimeError, match="the mask must be"):
         target.fused.run(x, cache.keys, cache.values, cos, sin, 0, torch.ones(1, 5, dtype=torch.bool), 0, 1, 0)
+
+
+@needs_kernel
+def test_forwards_in_several_threads_give_each_its_own_result(target: Transformer) -> None:
+    """The compiled layers release the GIL (a server's decoders run side by side) and share no scratch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(tokens(13, 10 + i), tokens(4, 20 + i)) for i in range(4)]
+    alone = [logits_by_steps(target, p, n, [1, 3]) for p, n in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda job: logits_by_steps(target, *job, [1, 3]), jobs))
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))

@@ -243,8 +243,10 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& q, const torc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("q4", [](const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
-        return product(x, q, d, m, 4); }, "y = x @ W.T for 4-bit block codes W (fp32 arithmetic)");
+        return product(x, q, d, m, 4); }, "y = x @ W.T for 4-bit block codes W (fp32 arithmetic)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
     module.def("q8", [](const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
-        return product(x, q, d, m, 8); }, "y = x @ W.T for 8-bit block codes W (fp32 arithmetic)");
+        return product(x, q, d, m, 8); }, "y = x @ W.T for 8-bit block codes W (fp32 arithmetic)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
     moaspec::register_layers(module);
 }

@@ -286,7 +286,9 @@ private:
 void register_layers(pybind11::module& module) {
     pybind11::class_<Layers>(module, "Layers", "A decoder's layers on their GGUF blocks, for a few new tokens at a time")
         .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double>())
-        .def("run", &Layers::run, "the blocks first..last-1 on x, writing the cache; see decode_layers.cpp");
+        // without the GIL: a server's decoders, one thread each, run their forwards side by side
+        .def("run", &Layers::run, "the blocks first..last-1 on x, writing the cache; see decode_layers.cpp",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace moaspec
