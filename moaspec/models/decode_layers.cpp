@@ -167,11 +167,14 @@ public:
             for (int i = 12; i < 15; ++i)
                 TORCH_CHECK(t[i].scalar_type() == torch::kFloat32 && t[i].is_contiguous() && t[i].dim() == 1,
                             "norm gains and biases must be contiguous 1-D fp32");
-            d_ = t[12].numel();
-            inter_ = layer.gate_up.rows / 2;
+            if (l == 0) {  // run() sizes its scratch by these, so every layer must share them
+                d_ = t[12].numel();
+                inter_ = layer.gate_up.rows / 2;
+            }
             const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
-            TORCH_CHECK(d_ % 32 == 0 && t[13].numel() == d_ && layer.qkv.cols == d_ && layer.qkv.rows == q + 2 * kv &&
-                        layer.o.cols == q && layer.o.rows == d_ && layer.gate_up.cols == d_ && inter_ % 32 == 0 &&
+            TORCH_CHECK(d_ % 32 == 0 && t[12].numel() == d_ && t[13].numel() == d_ && layer.qkv.cols == d_ &&
+                        layer.qkv.rows == q + 2 * kv && layer.o.cols == q && layer.o.rows == d_ &&
+                        layer.gate_up.cols == d_ && layer.gate_up.rows == 2 * inter_ && inter_ % 32 == 0 &&
                         layer.down.cols == inter_ && layer.down.rows == d_, "layer ", l, "'s weights do not fit together");
             TORCH_CHECK(t[14].numel() == 0 || t[14].numel() == q + 2 * kv, "the qkv bias has the wrong size");
             layer.attn_norm = t[12].data_ptr<float>();
