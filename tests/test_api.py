@@ -111,17 +111,22 @@ def test_bad_settings_are_refused(lm, tiny_moa_dir, tiny_dirs) -> None:  # type:
         moaspec.load(tiny_dirs["llama"] / "missing", None)
 
 
-@pytest.mark.parametrize("precision, dtype", [("float32", torch.float32), (torch.float32, torch.float32),
-                                              ("bfloat16", torch.bfloat16), ("int8", torch.bfloat16)])
-def test_the_drafter_precision_is_named_as_on_the_command_line(lm, tiny_moa_dir, precision, dtype) -> None:  # type: ignore[no-untyped-def]
-    """``drafter_dtype`` takes what ``--drafter-dtype`` takes, "int8" too (int8 weights, bf16 activations), or a
-    torch dtype; the text is the target's whichever it is."""
-    from moaspec.models.packed_linear import int8_kernels
+@pytest.mark.parametrize("precision", ["float32", torch.float32, "bfloat16", "int8"])
+def test_the_drafter_precision_is_named_as_on_the_command_line(lm, tiny_moa_dir, precision) -> None:  # type: ignore[no-untyped-def]
+    """``drafter_dtype`` takes what ``--drafter-dtype`` takes, "int8" too (8-bit weights: with bf16 activations, or
+    fp32 ones through the block kernel on CPUs without bf16 kernels), or a torch dtype; the text is the target's
+    whichever it is."""
+    from moaspec.models.block_kernel import kernel
+    from moaspec.models.packed_linear import bf16_kernels, int8_kernels
 
+    blocks = not bf16_kernels() and kernel() is not None
+    dtype = {"float32": torch.float32, torch.float32: torch.float32, "bfloat16": torch.bfloat16,
+             "int8": torch.float32 if blocks else torch.bfloat16}[precision]
     spec = lm.with_decoding(tiny_moa_dir, chain=3, drafter_dtype=precision)
     drafter = spec.strategy.drafter
     assert drafter is not None and drafter.weight_dtype == dtype
-    assert drafter.precision == ("int8" if precision == "int8" and int8_kernels() else str(dtype).removeprefix("torch."))
+    eight_bit = precision == "int8" and (blocks or int8_kernels())
+    assert drafter.precision == ("int8" if eight_bit else str(dtype).removeprefix("torch."))
     assert spec.generate(PROMPT, max_new_tokens=16).token_ids == lm.with_decoding(None).generate(PROMPT, max_new_tokens=16).token_ids
 
 

@@ -95,7 +95,8 @@ def test_drafter_dtype_option_reaches_every_drafter_load(tiny_dirs, monkeypatch)
     from moaspec.cli.options import load_target
     from moaspec.drafters.checkpoint import DTYPE_VARIABLE, drafting_precision
     from moaspec.errors import MoaspecError
-    from moaspec.models.packed_linear import int8_kernels
+    from moaspec.models.block_kernel import kernel
+    from moaspec.models.packed_linear import bf16_kernels, int8_kernels
 
     monkeypatch.setenv(DTYPE_VARIABLE, "auto")  # restored after the test, whatever load_target sets
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
@@ -104,8 +105,10 @@ def test_drafter_dtype_option_reaches_every_drafter_load(tiny_dirs, monkeypatch)
         assert os.environ[DTYPE_VARIABLE] == name and drafting_precision(loaded) == (dtype, False)
         assert loaded.model.dtype == torch.float32  # the target keeps its own
     args = build_parser().parse_args(["generate", "hi", "--model", str(tiny_dirs["llama"]), "--drafter-dtype", "int8"])
-    # int8 weights take bf16 activations on every CPU, bf16 kernels or not (named_precision's documented rule)
-    assert drafting_precision(load_target(args)) == (torch.bfloat16, int8_kernels())
+    # 8-bit weights take bf16 activations where the CPU has bf16 kernels or no block kernel, fp32 ones with the
+    # block kernel (named_precision's documented rule)
+    aten = bf16_kernels() or kernel() is None
+    assert drafting_precision(load_target(args)) == ((torch.bfloat16, int8_kernels()) if aten else (torch.float32, True))
     monkeypatch.setenv(DTYPE_VARIABLE, "float64")
     with pytest.raises(MoaspecError, match="MOASPEC_DRAFTER_DTYPE='float64'"):
         drafting_precision(loaded)

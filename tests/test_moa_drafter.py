@@ -20,6 +20,7 @@ from moaspec.drafters.checkpoint import (
 )
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.drafters.proposers import proposer_for
+from moaspec.models.block_kernel import kernel
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.packed_linear import bf16_kernels, int8_kernels
@@ -238,8 +239,10 @@ def test_drafters_load_in_the_drafting_dtype_with_one_fingerprint(tiny_llama, tm
     identity."""
     path = save_drafter(make_drafter(tiny_llama, vocab=100), tmp_path / "d", target_identity(tiny_llama), {})
     default, exact = load_drafter(path, tiny_llama), load_drafter(path, tiny_llama, torch.float32)
+    blocks = not bf16_kernels() and kernel() is not None  # fp32 with 8-bit blocks (compiled_layers)
     want = torch.bfloat16 if bf16_kernels() else torch.float32
-    assert drafting_precision(tiny_llama) == (want, bf16_kernels()) and default.weight_dtype == want
+    assert drafting_precision(tiny_llama) == (want, bf16_kernels() or blocks) and default.weight_dtype == want
+    assert default.precision == ("int8" if bf16_kernels() or blocks else "float32")
     assert default.head(torch.zeros(1, tiny_llama.cfg.hidden_size, dtype=want)).dtype == want  # the head came along
     assert tiny_llama.model.dtype == torch.float32 and exact.weight_dtype == torch.float32
     assert default.fingerprint() == exact.fingerprint()
@@ -247,8 +250,8 @@ def test_drafters_load_in_the_drafting_dtype_with_one_fingerprint(tiny_llama, tm
 
 def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_llama, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                                         monkeypatch) -> None:
-    """``--drafter-dtype int8`` gives the drafter's products and its head int8 copies, with bf16 activations on
-    any CPU (aten's kernel is slow with fp32 ones, so an fp32 drafter refuses int8 weights); the layers Target
+    """A bf16 drafter's ``use_int8`` gives its products and its head int8 copies for aten's kernel (``--drafter-dtype
+    int8`` on CPUs with bf16 kernels or without the block kernel; fp16 refuses); the layers Target
     Layer Inference borrows stay the target's float products (an int8 copy there would change the text),
     training drops the copies and eval makes them again, ``use_int8(False)`` drops them for good, and the
     fingerprint is the float drafter's, so a client drafting in int8 agrees with a server in bf16."""
@@ -256,11 +259,12 @@ def test_int8_drafters_quantize_their_own_weights_and_never_the_targets(tiny_lla
 
     path = save_drafter(make_drafter(tiny_llama, vocab=100, tli=1), tmp_path / "d", target_identity(tiny_llama), {})
     monkeypatch.setenv(DTYPE_VARIABLE, "int8")
+    aten = bf16_kernels() or kernel() is None
+    assert drafting_precision(tiny_llama) == ((torch.bfloat16, int8_kernels()) if aten else (torch.float32, True))
+    with pytest.raises(ValueError, match="bf16 or fp32 activations"):
+        load_drafter(path, tiny_llama, torch.float16).use_int8()
     want = torch.bfloat16
-    assert drafting_precision(tiny_llama) == (want, int8_kernels())
-    with pytest.raises(ValueError, match="bf16 activations"):
-        load_drafter(path, tiny_llama, torch.float32).use_int8()
-    drafter = load_drafter(path, tiny_llama)
+    drafter = load_drafter(path, tiny_llama, want).use_int8()
     if not int8_supported(drafter._borrowed["head"].weight):
         pytest.skip("no int8 CPU kernel in this torch build")
     own = [m for m in drafter.modules() if isinstance(m, Linear)]

@@ -18,6 +18,7 @@ from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.drafters.proposers import EagleProposer, IndependentProposer, MoAProposer
 from moaspec.models import transformer
+from moaspec.models.block_kernel import kernel
 from moaspec.models.kv_cache import KVCache
 
 
@@ -93,9 +94,13 @@ PROMPTS = [[5, 17, 42, 7], list(range(30, 60)), [200, 3, 3, 3, 3, 9]]
                                   # drafting in bf16 beside the fp32 target (drafting_precision on CPUs with bf16 kernels)
                                   "moa-bf16", "moa-tli1-bf16", "moa-derot-bf16", "eagle-bf16", "independent-bf16",
                                   # int8 weights in the drafter's products (--drafter-dtype int8)
-                                  "moa-int8", "moa-tli1-int8", "eagle-int8", "independent-int8"])
+                                  "moa-int8", "moa-tli1-int8", "eagle-int8", "independent-int8",
+                                  # fp32 drafters on 8-bit blocks with compiled layers (the default on CPUs without bf16)
+                                  "moa-q8", "moa-tli1-q8", "moa-newest-q8", "eagle-q8", "independent-q8"])
 @pytest.mark.parametrize("draft_len", [1, 4, 7])
 def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> None:  # type: ignore[no-untyped-def]
+    if kind.endswith("-q8") and kernel() is None:
+        pytest.skip("the compiled block kernel does not build or run here")
     model, tok = tiny_llama.model, tiny_llama.tokenizer
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
@@ -118,6 +123,11 @@ def test_greedy_chain_equals_vanilla(tiny_llama, kind: str, draft_len: int) -> N
             "moa-tli1-int8": lambda: moa_proposer(tiny_llama, tli=1, dtype=torch.bfloat16, int8=True),
             "eagle-int8": lambda: eagle_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
             "independent-int8": lambda: independent_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
+            "moa-q8": lambda: moa_proposer(tiny_llama, vocab=100, int8=True),
+            "moa-tli1-q8": lambda: moa_proposer(tiny_llama, tli=1, int8=True),
+            "moa-newest-q8": lambda: moa_proposer(tiny_llama, newest=True, int8=True),
+            "eagle-q8": lambda: eagle_proposer(tiny_llama, vocab=100, int8=True),
+            "independent-q8": lambda: independent_proposer(tiny_llama, vocab=100, int8=True),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_chain(model, tok, proposer, prompt, cfg, draft_len=draft_len)

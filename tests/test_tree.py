@@ -10,6 +10,7 @@ import torch
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.decoding.tree import DraftTree, TreeShape, generate_tree
 from moaspec.decoding.verify import verify_tree
+from moaspec.models.block_kernel import kernel
 from moaspec.models.kv_cache import KVCache
 from test_speculative import PROMPTS, chi_square_p, eagle_proposer, independent_proposer, moa_proposer
 
@@ -46,9 +47,11 @@ class OracleTree:
 
 
 @pytest.mark.parametrize("kind", ["oracle", "moa", "moa-tli1", "moa-vocab", "moa-no-lsa", "moa-final", "moa-newest", "eagle",
-                                  "independent", "independent-whole", "moa-int8", "eagle-int8"])
+                                  "independent", "independent-whole", "moa-int8", "eagle-int8", "moa-q8", "eagle-q8"])
 @pytest.mark.parametrize("shape", [TreeShape(1, 1, 2), TreeShape(3, 2, 8), TreeShape(5, 4, 24)])
 def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> None:  # type: ignore[no-untyped-def]
+    if kind.endswith("-q8") and kernel() is None:
+        pytest.skip("the compiled block kernel does not build or run here")
     model, tok = tiny_llama.model, tiny_llama.tokenizer
     cfg = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     for prompt in PROMPTS:
@@ -63,6 +66,8 @@ def test_greedy_tree_equals_vanilla(tiny_llama, kind: str, shape: TreeShape) -> 
             "moa-newest": lambda: moa_proposer(tiny_llama, newest=True),
             "moa-int8": lambda: moa_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
             "eagle-int8": lambda: eagle_proposer(tiny_llama, vocab=100, dtype=torch.bfloat16, int8=True),
+            "moa-q8": lambda: moa_proposer(tiny_llama, vocab=100, int8=True),
+            "eagle-q8": lambda: eagle_proposer(tiny_llama, vocab=100, int8=True),
         }[kind]()
         want = generate(model, tok, prompt, cfg)
         got = generate_tree(model, tok, proposer, prompt, cfg, shape)

@@ -63,8 +63,9 @@ def add_drafter_dtype_option(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--drafter-dtype", choices=DRAFTER_DTYPE_CHOICES, default=None,
                    help="the drafters' weights and activations (default 'auto': int8 weights with bf16 activations on "
-                        "CPUs with oneDNN bf16 kernels, else the target's dtype; 'int8': int8 weights with bf16 "
-                        "activations on any CPU); never changes the text, only which drafts are accepted")
+                        "CPUs with oneDNN bf16 kernels; on other CPUs, beside an fp32 target, 8-bit weight blocks with "
+                        "fp32 activations and compiled layers; else the target's dtype; 'int8': 8-bit weights on any "
+                        "CPU); never changes the text, only which drafts are accepted")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, seed_help: str = "seed for sampling") -> None:

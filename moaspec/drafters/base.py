@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeVar, get_type_hints
 import torch
 from torch import nn
 
+from moaspec.drafters.compiled_layers import blocks_supported, use_blocks
 from moaspec.models.config import ModelConfig
 from moaspec.models.packed_linear import INT8_ACTIVATIONS, Linear, pack_linears, quantize_linears
 from moaspec.models.transformer import Transformer, rope_tables
@@ -189,26 +190,34 @@ class Drafter(nn.Module):
         return self
 
     def use_int8(self, enable: bool = True) -> Drafter:
-        """Let inference products read int8 copies of the weights (the head's too) where the CPU kernel exists.
+        """Let inference products read 8-bit copies of the weights (the head's too) where a CPU kernel for the
+        weights' dtype exists.
 
         A drafting step streams the drafter's weights right after the target's forward has evicted them from
-        the caches, so its time is their bytes: int8 halves bf16's
-        (docs/experiments/2026-11-25-drafting-precision.md, "Int8 drafter weights").
-        Activations keep the weights' dtype, bf16 (the only one the kernel is quick with), the parameters are
+        the caches, so its time is their bytes. bf16 weights get aten's int8 product with bf16 activations
+        (int8 halves bf16's bytes: docs/experiments/2026-11-25-drafting-precision.md, "Int8 drafter weights");
+        fp32 weights get Q8_0 blocks read with fp32 activations by the GGUF runtime's compiled kernel, with
+        the decoder layers compiled as well (:mod:`moaspec.drafters.compiled_layers`). The parameters are
         untouched, and the text cannot change: only which drafts the target accepts.
         """
-        if enable and self.weight_dtype != INT8_ACTIVATIONS:
-            raise ValueError("int8 weights take bf16 activations: with fp32 ones aten's int8 product took 2 to 30 "
-                             "times as long as fp32 products (load the drafter in bf16 first)")
+        if enable and self.weight_dtype == torch.float32:
+            if not blocks_supported(self):
+                raise ValueError("8-bit copies of fp32 weights need the compiled CPU kernel (see the message above) "
+                                 "and fp32 weights on the CPU")
+        elif enable and self.weight_dtype != INT8_ACTIVATIONS:
+            raise ValueError("int8 weights take bf16 or fp32 activations (load the drafter in one of those first)")
         self.int8_products = enable
         self.train(self.training)
         return self
 
     def _prepare_products(self, module: nn.Module) -> None:
-        """Inference copies of ``module``'s weights for eval (int8 ones only with ``int8_products``), none in
+        """Inference copies of ``module``'s weights for eval (8-bit ones only with ``int8_products``), none in
         training (they would go stale)."""
         pack_linears(module, not self.training)
-        quantize_linears(module, self.int8_products and not self.training)
+        eight_bit = self.int8_products and not self.training
+        blocks = eight_bit and self.weight_dtype == torch.float32
+        quantize_linears(module, eight_bit and not blocks)
+        use_blocks(module, blocks)
 
     @property
     def weight_dtype(self) -> torch.dtype:

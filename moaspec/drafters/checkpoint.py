@@ -19,11 +19,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moaspec.drafters.base import Drafter, DrafterConfig
+from moaspec.drafters.compiled_layers import blocks_supported
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter
 from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError, brief
 from moaspec.fileio import atomic_write_dir
+from moaspec.models.block_kernel import kernel
 from moaspec.models.loading import FLOAT_DTYPES, LoadedModel
 from moaspec.models.packed_linear import INT8_ACTIVATIONS, bf16_kernels, int8_kernels
 
@@ -106,7 +108,7 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
 
 DTYPE_VARIABLE = "MOASPEC_DRAFTER_DTYPE"  # what `--drafter-dtype` sets; processes it starts (servers) inherit it
 DTYPE_CHOICES = ("auto", *FLOAT_DTYPES)  # the target's --dtype
-DRAFTER_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")  # int8: int8 weights in small products, bf16 activations
+DRAFTER_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")  # int8: 8-bit weights in small products (see named_precision)
 
 
 def drafting_precision(target: LoadedModel) -> tuple[torch.dtype, bool]:
@@ -121,16 +123,18 @@ def named_precision(choice: object, target: LoadedModel, what: str = "drafter_dt
     (``what`` says where it came from, in the error for any other value).
 
     A float dtype's name is that dtype. "auto": bf16 activations and int8 weights on a CPU whose oneDNN
-    has bf16 kernels (and whose torch has aten's int8 product), the target's own dtype without int8
-    elsewhere. "int8": bf16 activations and int8 weights on any CPU (off a CPU it is "auto").
+    has bf16 kernels (and whose torch has aten's int8 product); fp32 activations and 8-bit weight blocks
+    beside an fp32 target on any other CPU where the compiled block kernel builds; the target's own dtype
+    without 8-bit weights elsewhere. "int8": 8-bit weights on any CPU, with bf16 activations where the CPU has
+    bf16 kernels or the block kernel is missing, fp32 ones otherwise (off a CPU it is "auto").
 
     A drafting step is memory-bound matrix–vector work over the drafter's weights, and
     oneDNN's packed bf16 products stream half the bytes of fp32 ones
     (docs/experiments/2026-11-25-drafting-precision.md, "Drafting in bf16 on the CPU"); int8
-    copies halve them again ("Int8 drafter weights").
-    CPUs without bf16 kernels were not measured with int8 weights, so by default they keep their dtype;
-    int8 weights never come with fp32 activations: with them aten's kernel took 2 to 30 times as
-    long as oneDNN's fp32 products ("Int8 drafter weights on an Intel Xeon").
+    copies halve them again ("Int8 drafter weights"). Without bf16 kernels, aten's int8 product with fp32
+    activations took 2 to 30 times as long as oneDNN's fp32 products ("Int8 drafter weights on an Intel
+    Xeon"), while the block kernel's Q8_0 products, with the drafter's layers compiled around them, made a
+    MoA drafting step 2.5 times cheaper than fp32 in torch (:mod:`moaspec.drafters.compiled_layers`).
     The target keeps its dtype: its outputs are what decoding reproduces, while a drafter
     only proposes, so its precision can change which drafts are accepted but never the text.
     """
@@ -140,9 +144,13 @@ def named_precision(choice: object, target: LoadedModel, what: str = "drafter_dt
         return FLOAT_DTYPES[choice], False
     model = target.model
     cpu = model.device.type == "cpu"
+    bf16 = cpu and bf16_kernels()
+    blocks = cpu and not bf16 and model.dtype == torch.float32 and kernel() is not None
+    if blocks and choice in ("auto", "int8"):
+        return torch.float32, True
     if choice == "int8" and cpu:  # aten's int8 product is quick with bf16 activations alone (int8_supported)
         return INT8_ACTIVATIONS, int8_kernels()
-    bf16 = cpu and model.dtype == torch.float32 and bf16_kernels()
+    bf16 = bf16 and model.dtype == torch.float32
     return (torch.bfloat16 if bf16 else model.dtype), bf16 and int8_kernels()
 
 
@@ -182,7 +190,9 @@ def load_drafter(path: str | Path, target: LoadedModel, dtype: torch.dtype | str
                            "wrote it diverged; use an earlier checkpoint or train again with a lower --lr")
     model = target.model
     try:
-        drafter = drafter_cls(cfg).to(device=model.device, dtype=dtype).use_int8(int8)
+        drafter = drafter_cls(cfg).to(device=model.device, dtype=dtype)
+        # 8-bit blocks need every input width in whole blocks of 32 (all shipped and default sizes are)
+        drafter.use_int8(int8 and (dtype != torch.float32 or blocks_supported(drafter)))
     except (RuntimeError, ValueError, MemoryError) as exc:  # sizes a hand-edited config.json made impossible
         raise DrafterError(f"{path} has an invalid drafter config: cannot build it ({brief(exc)})") from None
     expected = drafter.state_dict()

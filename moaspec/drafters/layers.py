@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moaspec.errors import MoaspecError
+from moaspec.models.fused_layers import FUSED_MAX_TOKENS
 from moaspec.models.packed_linear import Linear
 from moaspec.models.transformer import apply_rope, causal_mask, prefill_chunk, rms_norm
 from moaspec.validation import whole_number
@@ -90,11 +91,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP; ``source_dim`` ≠ ``dim`` makes it a cross-attention layer."""
+    """Pre-norm attention + SwiGLU MLP; ``cross``: its queries attend to another sequence's keys and values
+    (of width ``source_dim``), through :meth:`cross_attention`, instead of its own.
+
+    ``compiled``: the same layer on 8-bit copies of its weights in the compiled CPU kernel
+    (:mod:`moaspec.drafters.compiled_layers`), which a drafting step of a few tokens runs instead of torch's
+    ~30 small operations; ``None`` elsewhere (training, other devices and dtypes).
+    """
+
+    compiled: Any = None
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp_width: int, eps: float,
-                 source_dim: int | None = None) -> None:
+                 source_dim: int | None = None, cross: bool = False) -> None:
         super().__init__()
+        self.cross = cross
         self.attn_norm = RMSNorm(dim, eps)
         self.attn = DraftAttention(dim, source_dim or dim, heads, kv_heads, head_dim)
         self.mlp_norm = RMSNorm(dim, eps)
@@ -111,6 +121,13 @@ class DecoderLayer(nn.Module):
         up on a prompt) runs a chunk of :func:`prefill_chunk` tokens at a time, as the target's
         prefill does, instead of under one ``[T, T]`` mask. Training passes masks and no cache.
         """
+        if cache is not None and compiled_applies(self.compiled, x, cache[0]) and (mask is None or mask.dtype == torch.bool):
+            keys, values, start = cache
+            T = x.shape[1]
+            flat = None if mask is None else mask.reshape(T, start + T).contiguous()
+            out = self.compiled.run(x[0], keys[None], values[None], cos.reshape(T, -1).contiguous(),
+                                    sin.reshape(T, -1).contiguous(), start, flat, 0, 1, 0)
+            return out[None]
         if cache is not None and mask is None:
             keys, values, start = cache
             T, step = x.shape[1], prefill_chunk(x.device)
@@ -140,5 +157,16 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """``x`` attends to keys/values made by :meth:`DraftAttention.keys_values` from another sequence."""
+        if mask is None and compiled_applies(self.compiled, x, k):
+            T = x.shape[1]
+            return self.compiled.cross(x[0], k, v, cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous())[None]
         x = x + self.attn.attend(self.attn_norm(x), cos, sin, k, v, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def compiled_applies(compiled: Any, x: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether a layer's compiled counterpart can run on ``x`` ``[1, T, dim]`` with ``keys`` ``[1, kv_heads, .., D]``:
+    one sequence of at most FUSED_MAX_TOKENS fp32 tokens and an fp32 cache, outside autograd."""
+    return (compiled is not None and x.dim() == 3 and x.shape[0] == 1 and x.shape[1] <= FUSED_MAX_TOKENS
+            and x.dtype == torch.float32 and keys.dtype == torch.float32 and keys.shape[0] == 1
+            and not (torch.is_grad_enabled() and x.requires_grad))

@@ -131,7 +131,7 @@ class MoADrafter(Drafter):
             torch.nn.init.zeros_(self.final_proj.weight)
         self.memory_norm = RMSNorm(d, eps)
         self.sa = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.sa_mlp, eps)
-        self.ca = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ca_mlp, eps, source_dim=d)
+        self.ca = DecoderLayer(d, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ca_mlp, eps, source_dim=d, cross=True)
         self.out_norm = RMSNorm(d, eps) if cfg.tli_layers == 0 else None
         lcos, lsin = rope_tables(cfg.lsa_head_dim, cfg.num_target_layers, 10000.0)
         self.register_buffer("layer_cos", lcos[None, None], persistent=False)

@@ -75,6 +75,21 @@ class BlockWeights:
                             self.offsets[index].contiguous())
 
     @staticmethod
+    def q8_0(weight: torch.Tensor) -> BlockWeights:
+        """``weight`` ``[out, in]`` (``in`` a multiple of 32) as ggml's Q8_0 blocks: per block, d = max|w| / 127 stored
+        in fp16, and q = round(w / d) with that stored d (ggml divides by the unrounded one), so that each weight is
+        within d/2 of its own. For weights that do not come from a GGUF file (a drafter's)."""
+        out, cols = weight.shape
+        if cols % BLOCK:
+            raise ValueError(f"Q8_0 blocks need an input width that is a multiple of {BLOCK}, got {cols}")
+        w = weight.detach().float().reshape(out, cols // BLOCK, BLOCK)
+        scales = (w.abs().amax(dim=-1) / 127).to(torch.float16)
+        d = scales.float()
+        inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        codes = torch.round(w * inverse[..., None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        return BlockWeights(8, codes.reshape(out, cols).contiguous(), scales, torch.zeros_like(scales))
+
+    @staticmethod
     def stack(parts: list[BlockWeights]) -> BlockWeights:
         """Several weights of the same input width and code width, one above the other (a fused q/k/v)."""
         if len({p.bits for p in parts}) != 1:

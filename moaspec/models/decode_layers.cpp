@@ -16,8 +16,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "block_kernel.h"
@@ -141,7 +143,7 @@ void add_rows(float* h, const float* x, int64_t n) {
 }
 
 struct Layer {
-    BlockView qkv, o, gate_up, down;
+    BlockView qkv, o, gate_up, down;  // qkv: q, k and v stacked; a cross-attention layer's holds q alone
     const float* qkv_bias;  // null: none
     const float* attn_norm;
     const float* mlp_norm;
@@ -150,16 +152,41 @@ struct Layer {
 // Work of one (token, head) attention below which it is not worth waking another thread.
 constexpr int64_t kAttentionGrainKeys = 8192;
 
+// The buffers of one forward over T tokens, carved from one tensor.
+struct Scratch {
+    torch::Tensor storage;
+    float *normed, *qkv, *rotated_q, *attended, *out, *gate_up, *act;
+    Scratch(int64_t T, int64_t d, int64_t width, int64_t q_dim, int64_t inter, const torch::TensorOptions& options)
+        : storage(torch::empty({T * (d + width + q_dim + q_dim + d + 2 * inter + inter)}, options)) {
+        normed = storage.data_ptr<float>();
+        qkv = normed + T * d;
+        rotated_q = qkv + T * width;
+        attended = rotated_q + T * q_dim;
+        out = attended + T * q_dim;
+        gate_up = out + T * d;
+        act = gate_up + T * 2 * inter;
+    }
+};
+
+const float* fp32_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* what) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 2 && t.size(0) == rows &&
+                t.size(1) == cols, what, " must be contiguous fp32 [", rows, ", ", cols, "]");
+    return t.data_ptr<float>();
+}
+
 class Layers {
 public:
     // `tensors`: for each layer, 15 tensors: the codes, scales and offsets of qkv, o, gate_up and down (fused as
     // the runtime holds them), then attn_norm, mlp_norm and the qkv bias (empty: none). `bits`: 4 per layer.
+    // `cross`: one layer whose queries attend to another sequence's keys and values (its qkv holds q alone).
     Layers(std::vector<torch::Tensor> tensors, std::vector<int64_t> bits, int64_t heads, int64_t kv_heads,
-           int64_t head_dim, double eps)
-        : tensors_(std::move(tensors)), heads_(heads), kv_heads_(kv_heads), D_(head_dim), eps_(static_cast<float>(eps)) {
+           int64_t head_dim, double eps, bool cross)
+        : tensors_(std::move(tensors)), heads_(heads), kv_heads_(kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
+          cross_(cross) {
         TORCH_CHECK(tensors_.size() % 15 == 0 && bits.size() * 15 == tensors_.size() * 4, "15 tensors and 4 widths a layer");
         TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 16 == 0, "unsupported head layout");
         const int64_t L = static_cast<int64_t>(tensors_.size()) / 15;
+        TORCH_CHECK(!cross || L == 1, "a cross-attention Layers holds one layer");
         for (int64_t l = 0; l < L; ++l) {
             const torch::Tensor* t = &tensors_[15 * l];
             auto view = [&](int i) { return block_view(t[3 * i], t[3 * i + 1], t[3 * i + 2], bits[4 * l + i]); };
@@ -172,11 +199,12 @@ public:
                 inter_ = layer.gate_up.rows / 2;
             }
             const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+            width_ = cross ? q : q + 2 * kv;
             TORCH_CHECK(d_ % 32 == 0 && t[12].numel() == d_ && t[13].numel() == d_ && layer.qkv.cols == d_ &&
-                        layer.qkv.rows == q + 2 * kv && layer.o.cols == q && layer.o.rows == d_ &&
+                        layer.qkv.rows == width_ && layer.o.cols == q && layer.o.rows == d_ &&
                         layer.gate_up.cols == d_ && layer.gate_up.rows == 2 * inter_ && inter_ % 32 == 0 &&
                         layer.down.cols == inter_ && layer.down.rows == d_, "layer ", l, "'s weights do not fit together");
-            TORCH_CHECK(t[14].numel() == 0 || t[14].numel() == q + 2 * kv, "the qkv bias has the wrong size");
+            TORCH_CHECK(t[14].numel() == 0 || t[14].numel() == width_, "the qkv bias has the wrong size");
             layer.attn_norm = t[12].data_ptr<float>();
             layer.mlp_norm = t[13].data_ptr<float>();
             layer.qkv_bias = t[14].numel() ? t[14].data_ptr<float>() : nullptr;
@@ -191,21 +219,14 @@ public:
     torch::Tensor run(const torch::Tensor& x, torch::Tensor keys, torch::Tensor values, const torch::Tensor& cos,
                       const torch::Tensor& sin, int64_t start, const c10::optional<torch::Tensor>& mask, int64_t first,
                       int64_t last, int64_t cache_offset) const {
+        TORCH_CHECK(!cross_, "a cross-attention layer runs through cross()");
         const int64_t L = static_cast<int64_t>(layers_.size());
         TORCH_CHECK(0 <= first && first <= last && last <= L, "blocks ", first, "..", last, " of ", L);
-        TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == d_ &&
-                    x.size(0) > 0, "x must be fp32 [tokens, ", d_, "]");
-        const int64_t T = x.size(0), S = start + T;
-        for (const torch::Tensor* c : {&keys, &values})
-            TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->is_contiguous() && c->dim() == 5 && c->size(1) == 1 &&
-                        c->size(2) == kv_heads_ && c->size(4) == D_ && first - cache_offset >= 0 &&
-                        last - cache_offset <= c->size(0), "the cache must be contiguous fp32 [layers, 1, ", kv_heads_,
-                        ", capacity, ", D_, "] holding these blocks");
-        const int64_t capacity = keys.size(3);
-        TORCH_CHECK(start >= 0 && S <= capacity && keys.sizes() == values.sizes(), "no room in the cache");
-        for (const torch::Tensor* c : {&cos, &sin})
-            TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->is_contiguous() && c->dim() == 2 && c->size(0) == T &&
-                        c->size(1) == D_, "cos/sin must be contiguous fp32 [tokens, head_dim]");
+        const int64_t T = check_input(x), S = start + T;
+        const int64_t capacity = check_cache(keys, values, first - cache_offset, last - cache_offset);
+        TORCH_CHECK(start >= 0 && S <= capacity, "no room in the cache");
+        const float* cosp = fp32_rows(cos, T, D_, "cos");
+        const float* sinp = fp32_rows(sin, T, D_, "sin");
         const bool* allowed = nullptr;
         if (mask.has_value()) {
             TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 2 &&
@@ -218,79 +239,142 @@ public:
             for (int64_t j = 0; j < S; ++j)
                 if (allowed ? allowed[t * S + j] : j <= start + t) seen[t].push_back(j);
 
-        const int64_t q_dim = heads_ * D_, kv_dim = kv_heads_ * D_, width = q_dim + 2 * kv_dim;
+        const int64_t q_dim = heads_ * D_, kv_dim = kv_heads_ * D_;
         torch::Tensor h = x.contiguous().clone();
-        torch::Tensor scratch = torch::empty({T * (d_ + width + q_dim + q_dim + d_ + 2 * inter_ + inter_)}, x.options());
+        Scratch s(T, d_, width_, q_dim, inter_, x.options());
         float* hp = h.data_ptr<float>();
-        float* normed = scratch.data_ptr<float>();
-        float* qkv = normed + T * d_;
-        float* rotated_q = qkv + T * width;
-        float* attended = rotated_q + T * q_dim;
-        float* out = attended + T * q_dim;
-        float* gate_up = out + T * d_;
-        float* act = gate_up + T * 2 * inter_;
-        const float* cosp = cos.data_ptr<float>();
-        const float* sinp = sin.data_ptr<float>();
-        const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
-        const int64_t group = heads_ / kv_heads_;
         for (int64_t b = first; b < last; ++b) {
             const Layer& layer = layers_[b];
             const int64_t c = b - cache_offset;
             float* K = keys.data_ptr<float>() + c * kv_heads_ * capacity * D_;
             float* V = values.data_ptr<float>() + c * kv_heads_ * capacity * D_;
-            for (int64_t t = 0; t < T; ++t) rms_norm_row(hp + t * d_, layer.attn_norm, normed + t * d_, d_, eps_);
-            block_product(normed, T, layer.qkv, qkv);
+            project(layer, hp, T, s);
             for (int64_t t = 0; t < T; ++t) {
-                float* row = qkv + t * width;
-                if (layer.qkv_bias)
-                    for (int64_t i = 0; i < width; ++i) row[i] += layer.qkv_bias[i];
-                const float* ct = cosp + t * D_;
-                const float* st = sinp + t * D_;
-                for (int64_t hd = 0; hd < heads_; ++hd) rope_head(row + hd * D_, ct, st, rotated_q + t * q_dim + hd * D_, D_);
+                const float* row = s.qkv + t * width_;
+                rotate_queries(row, cosp + t * D_, sinp + t * D_, s.rotated_q + t * q_dim);
                 for (int64_t g = 0; g < kv_heads_; ++g) {
                     const int64_t at = (g * capacity + start + t) * D_;
-                    rope_head(row + q_dim + g * D_, ct, st, K + at, D_);
+                    rope_head(row + q_dim + g * D_, cosp + t * D_, sinp + t * D_, K + at, D_);
                     std::copy_n(row + q_dim + kv_dim + g * D_, D_, V + at);
                 }
             }
-            const int64_t grain = std::max<int64_t>(1, kAttentionGrainKeys / S);
-            at::parallel_for(0, T * heads_, grain, [&](int64_t i0, int64_t i1) {
-                std::vector<float> scores((S + 7) / 8 * 8);
-                for (int64_t i = i0; i < i1; ++i) {
-                    const int64_t t = i / heads_, hd = i % heads_, g = hd / group;
-                    attend_one(rotated_q + t * q_dim + hd * D_, K + g * capacity * D_, V + g * capacity * D_,
-                               seen[t].data(), static_cast<int64_t>(seen[t].size()), D_, scale, scores.data(),
-                               attended + t * q_dim + hd * D_);
-                }
-            });
-            block_product(attended, T, layer.o, out);
-            for (int64_t t = 0; t < T; ++t) {
-                add_rows(hp + t * d_, out + t * d_, d_);
-                rms_norm_row(hp + t * d_, layer.mlp_norm, normed + t * d_, d_, eps_);
-            }
-            block_product(normed, T, layer.gate_up, gate_up);
-            for (int64_t t = 0; t < T; ++t)
-                swiglu_row(gate_up + t * 2 * inter_, gate_up + t * 2 * inter_ + inter_, act + t * inter_, inter_);
-            block_product(act, T, layer.down, out);
-            for (int64_t t = 0; t < T; ++t) add_rows(hp + t * d_, out + t * d_, d_);
+            attend(s, K, V, capacity, T, S, [&](int64_t t) { return std::make_pair(seen[t].data(), seen[t].size()); });
+            finish(layer, hp, T, s);
         }
         return h;
     }
 
+    // The cross-attention layer on x [T, d]: each token's queries, rotated by cos/sin [T, head_dim], attend to
+    // every entry of `keys`/`values` ([1, kv_heads, n, head_dim] fp32, keys rotated already; a prefix of a larger
+    // cache will do: rows must be contiguous, heads may lie `capacity` rows apart). Returns the residual stream.
+    torch::Tensor cross(const torch::Tensor& x, const torch::Tensor& keys, const torch::Tensor& values,
+                        const torch::Tensor& cos, const torch::Tensor& sin) const {
+        TORCH_CHECK(cross_, "a self-attention layer runs through run()");
+        const int64_t T = check_input(x);
+        for (const torch::Tensor* c : {&keys, &values})
+            TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->dim() == 4 && c->size(0) == 1 &&
+                        c->size(1) == kv_heads_ && c->size(3) == D_ && c->stride(3) == 1 && c->stride(2) == D_ &&
+                        c->stride(1) % D_ == 0 && c->stride(1) >= c->size(2) * D_,
+                        "memory keys and values must be fp32 [1, ", kv_heads_, ", entries, ", D_, "] with contiguous rows");
+        TORCH_CHECK(keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys and values differ in layout");
+        const int64_t n = keys.size(2), capacity = keys.stride(1) / D_;
+        TORCH_CHECK(n > 0, "there is no entry to attend to");
+        const float* cosp = fp32_rows(cos, T, D_, "cos");
+        const float* sinp = fp32_rows(sin, T, D_, "sin");
+        std::vector<int64_t> all(n);
+        for (int64_t j = 0; j < n; ++j) all[j] = j;
+        const int64_t q_dim = heads_ * D_;
+        torch::Tensor h = x.contiguous().clone();
+        Scratch s(T, d_, width_, q_dim, inter_, x.options());
+        float* hp = h.data_ptr<float>();
+        const Layer& layer = layers_[0];
+        project(layer, hp, T, s);
+        for (int64_t t = 0; t < T; ++t)
+            rotate_queries(s.qkv + t * width_, cosp + t * D_, sinp + t * D_, s.rotated_q + t * q_dim);
+        attend(s, keys.data_ptr<float>(), values.data_ptr<float>(), capacity, T, n,
+               [&](int64_t) { return std::make_pair(all.data(), all.size()); });
+        finish(layer, hp, T, s);
+        return h;
+    }
+
 private:
+    int64_t check_input(const torch::Tensor& x) const {
+        TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == d_ &&
+                    x.size(0) > 0, "x must be fp32 [tokens, ", d_, "]");
+        return x.size(0);
+    }
+
+    // The capacity of a cache that must hold layers c0..c1-1.
+    int64_t check_cache(const torch::Tensor& keys, const torch::Tensor& values, int64_t c0, int64_t c1) const {
+        for (const torch::Tensor* c : {&keys, &values})
+            TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->is_contiguous() && c->dim() == 5 && c->size(1) == 1 &&
+                        c->size(2) == kv_heads_ && c->size(4) == D_ && c0 >= 0 && c1 <= c->size(0), "the cache must be "
+                        "contiguous fp32 [layers, 1, ", kv_heads_, ", capacity, ", D_, "] holding these blocks");
+        TORCH_CHECK(keys.sizes() == values.sizes(), "keys and values differ in shape");
+        return keys.size(3);
+    }
+
+    // The normed residual stream's q(kv) projection (+ bias) into s.qkv.
+    void project(const Layer& layer, const float* hp, int64_t T, Scratch& s) const {
+        for (int64_t t = 0; t < T; ++t) rms_norm_row(hp + t * d_, layer.attn_norm, s.normed + t * d_, d_, eps_);
+        block_product(s.normed, T, layer.qkv, s.qkv);
+        if (layer.qkv_bias)
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t i = 0; i < width_; ++i) s.qkv[t * width_ + i] += layer.qkv_bias[i];
+    }
+
+    void rotate_queries(const float* row, const float* cos, const float* sin, float* out) const {
+        for (int64_t hd = 0; hd < heads_; ++hd) rope_head(row + hd * D_, cos, sin, out + hd * D_, D_);
+    }
+
+    // Every (token, head)'s attention over the keys `visible(t)` lists, into s.attended.
+    template <typename Visible>
+    void attend(Scratch& s, const float* K, const float* V, int64_t capacity, int64_t T, int64_t S,
+                Visible visible) const {
+        const int64_t q_dim = heads_ * D_, group = heads_ / kv_heads_;
+        const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+        const int64_t grain = std::max<int64_t>(1, kAttentionGrainKeys / S);
+        at::parallel_for(0, T * heads_, grain, [&](int64_t i0, int64_t i1) {
+            std::vector<float> scores((S + 7) / 8 * 8);
+            for (int64_t i = i0; i < i1; ++i) {
+                const int64_t t = i / heads_, hd = i % heads_, g = hd / group;
+                const auto [keys, n] = visible(t);
+                attend_one(s.rotated_q + t * q_dim + hd * D_, K + g * capacity * D_, V + g * capacity * D_, keys,
+                           static_cast<int64_t>(n), D_, scale, scores.data(), s.attended + t * q_dim + hd * D_);
+            }
+        });
+    }
+
+    // o, the residual, the MLP's norm, gate/up, SwiGLU, down and the residual again.
+    void finish(const Layer& layer, float* hp, int64_t T, Scratch& s) const {
+        block_product(s.attended, T, layer.o, s.out);
+        for (int64_t t = 0; t < T; ++t) {
+            add_rows(hp + t * d_, s.out + t * d_, d_);
+            rms_norm_row(hp + t * d_, layer.mlp_norm, s.normed + t * d_, d_, eps_);
+        }
+        block_product(s.normed, T, layer.gate_up, s.gate_up);
+        for (int64_t t = 0; t < T; ++t)
+            swiglu_row(s.gate_up + t * 2 * inter_, s.gate_up + t * 2 * inter_ + inter_, s.act + t * inter_, inter_);
+        block_product(s.act, T, layer.down, s.out);
+        for (int64_t t = 0; t < T; ++t) add_rows(hp + t * d_, s.out + t * d_, d_);
+    }
+
     std::vector<torch::Tensor> tensors_;  // owned here, so that the views below stay valid
     std::vector<Layer> layers_;
-    int64_t heads_, kv_heads_, D_, d_ = 0, inter_ = 0;
+    int64_t heads_, kv_heads_, D_, d_ = 0, inter_ = 0, width_ = 0;
     float eps_;
+    bool cross_;
 };
 
 }  // namespace
 
 void register_layers(pybind11::module& module) {
     pybind11::class_<Layers>(module, "Layers", "A decoder's layers on their GGUF blocks, for a few new tokens at a time")
-        .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double>())
+        .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, bool>())
         // without the GIL: a server's decoders, one thread each, run their forwards side by side
         .def("run", &Layers::run, "the blocks first..last-1 on x, writing the cache; see decode_layers.cpp",
+             pybind11::call_guard<pybind11::gil_scoped_release>())
+        .def("cross", &Layers::cross, "a cross-attention layer on x over the given keys and values; see decode_layers.cpp",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 

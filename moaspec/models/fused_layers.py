@@ -52,7 +52,7 @@ def fuse_layers(model: Transformer) -> Any | None:
         tensors += [block.attn_norm.detach(), block.mlp_norm.detach(),
                     torch.empty(0) if bias is None else bias.detach()]
     cfg = model.cfg
-    return module.Layers(tensors, bits, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    return module.Layers(tensors, bits, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, False)
 
 
 @contextmanager
