@@ -11,6 +11,8 @@ turn of the first K questions of every SpecBench file, in the target's chat temp
 - ``moa-tree``: the shipped MoA drafter's tree alone (depth 2, top-2, 4 nodes; no prompt lookup);
 - ``default``: the main job's decoding (prompt lookup, then MoA chains of 2);
 - ``default-fp32``: the same on the dequantised fp32 weights;
+- ``default-torch-drafter``: the default with the drafter in fp32 torch (``--drafter-dtype float32``), not on
+  8-bit blocks with compiled layers (the default on CPUs without bf16 kernels);
 - ``llama.cpp``: llama-cpp-python's plain decoding of the same GGUF file (its own kernels);
 - ``llama.cpp-pld``: the same with llama-cpp-python's prompt-lookup drafter (10 tokens).
 
@@ -125,6 +127,8 @@ def main() -> None:
         "moa-tree": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0), stops),
         "default": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops),
         "default-fp32": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops, dense=True),
+        "default-torch-drafter": lambda: moaspec_runner(
+            lm, decoding_strategy(lm, drafter, tuned=False, drafter_dtype="float32"), stops),
         "llama.cpp": lambda: llama_cpp_runner(args.threads, context, 0, stops),
         "llama.cpp-pld": lambda: llama_cpp_runner(args.threads, context, args.lookup, stops),
     }

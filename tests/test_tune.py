@@ -30,6 +30,7 @@ def test_the_grid_covers_chains_trees_and_lookup_and_grows_on_a_gpu() -> None:
     assert Decoding() in cpu  # the built-in default competes
     assert all(Decoding(tree=t, lookup=0) in gpu and Decoding(tree=t, lookup=0) not in cpu for t in GPU_TREES)
     assert all(d.lookup == 0 for d in grid("cpu", lookup=0))
+    assert "lookup-4+chain-2" in names and not any(d.lookup == 4 for d in gpu)  # a CPU verifies many tokens dearly
 
 
 def test_the_built_in_prompts_are_varied_and_fit_the_default_model() -> None:

@@ -33,17 +33,24 @@ GPU_CHAINS = (6,)
 GPU_TREES = (TreeShape(5, 4, 24), TreeShape(5, 8, 48), TreeShape(6, 8, 62))  # the last: the paper's GPU tree
 
 
+SHORT_LOOKUP = 4  # on a CPU a verification's cost grows with its tokens
+
+
 def grid(device_type: str, lookup: int = DEFAULT_LOOKUP) -> list[Decoding]:
-    """Every setting tried: chains and trees, each alone and after ``lookup`` prompt-lookup drafts.
+    """Every setting tried: chains and trees, each alone and after ``lookup`` prompt-lookup drafts (on a CPU, also
+    after :data:`SHORT_LOOKUP`).
 
     On a GPU, longer chains and the paper's large trees join, since a verification of
-    dozens of tokens costs about one decoding step there.
+    dozens of tokens costs about one decoding step there. On a CPU it does not
+    (BENCHMARKS.md, "Against llama.cpp": 16 new tokens cost 3.4 one-token steps on a 2-core EPYC), so fewer
+    lookup drafts may pay more.
     """
     gpu = device_type == "cuda"
     chains = CHAINS + GPU_CHAINS if gpu else CHAINS
     trees = TREES + GPU_TREES if gpu else TREES
     shapes = [Decoding(chain=c, lookup=0) for c in chains] + [Decoding(tree=t, lookup=0) for t in trees]
-    return shapes + [Decoding(d.chain, d.tree, lookup) for d in shapes] if lookup else shapes
+    lookups = [lookup] if gpu or not SHORT_LOOKUP < lookup else [lookup, SHORT_LOOKUP]
+    return shapes + [Decoding(d.chain, d.tree, n) for n in lookups for d in shapes] if lookup else shapes
 
 
 def tune(target: LoadedModel, drafter: Drafter, questions: list[Question], max_new: int, output: Path,
