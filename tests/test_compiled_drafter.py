@@ -62,23 +62,27 @@ def pair(tiny_llama, kind: str) -> tuple[Drafter, Drafter]:  # type: ignore[no-u
 
 
 def test_moa_steps_on_blocks_are_torchs_on_the_rounded_weights(tiny_llama) -> None:  # type: ignore[no-untyped-def]
-    """A prompt's catch-up, one-token chain steps and a three-token tree level give the same draft logits through the
-    compiled layers as through torch on the weights the blocks stand for, up to fp32 summation order."""
+    """Memory entries of a few verified tokens (Layer Self-Attention over their layers, one compiled call per token), a
+    prompt's catch-up, one-token chain steps and a three-token tree level give the same entries and draft logits
+    through the compiled layers as through torch on the weights the blocks stand for, up to fp32 summation order."""
     compiled, reference = pair(tiny_llama, "moa")
     model = tiny_llama.model
     prompt = torch.tensor([[5, 17, 42, 7, 9, 11, 3, 60, 61, 2]])
     cache = model.new_cache(64)
     model(prompt, cache)
-    logits = []
+    logits, memories = [], []
     for d in (compiled, reference):
         state = d.new_state(64)
-        d.observe(state, cache, prompt.shape[1])
+        d.observe(state, cache, 7)  # one compiled LSA call per token
+        d.observe(state, cache, 10)
+        memories.append(torch.cat([state.memory.keys[..., :10, :], state.memory.values[..., :10, :]]))
         out = [d.step(state, prompt, torch.arange(10), None, 1)]
         for i, token in enumerate([4, 8]):
             out.append(d.step(state, torch.tensor([[token]]), torch.tensor([10 + i]), None, 1))
         level = tree_mask(state.sa.length, torch.tensor([[True, False, False], [True, True, False], [True, False, True]]))
         out.append(d.step(state, torch.tensor([[20, 21, 22]]), torch.tensor([12, 13, 13]), level, 3))
         logits.append(torch.cat([o.reshape(-1, o.shape[-1]) for o in out]))
+    torch.testing.assert_close(memories[0], memories[1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 

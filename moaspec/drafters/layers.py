@@ -128,6 +128,8 @@ class DecoderLayer(nn.Module):
             out = self.compiled.run(x[0], keys[None], values[None], cos.reshape(T, -1).contiguous(),
                                     sin.reshape(T, -1).contiguous(), start, flat, 0, 1, 0)
             return out[None]
+        if cache is None and mask is None and compiled_each_applies(self.compiled, x):
+            return self._compiled_each(x, cos, sin)
         if cache is not None and mask is None:
             keys, values, start = cache
             T, step = x.shape[1], prefill_chunk(x.device)
@@ -137,6 +139,17 @@ class DecoderLayer(nn.Module):
                        for a in range(0, T, step)]
                 return out[0] if len(out) == 1 else torch.cat(out, dim=1)
         return self._self_attention(x, cos, sin, mask, cache)
+
+    def _compiled_each(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Each of the few sequences of ``x`` ``[N, L, dim]`` attending to the whole of itself (Layer Self-Attention over
+        a verified token's layers), one compiled call each, through a scratch cache of ``L`` entries."""
+        L = x.shape[1]
+        a = self.attn
+        keys = x.new_empty(1, 1, a.kv_heads, L, a.head_dim)
+        values = torch.empty_like(keys)
+        whole = torch.ones(L, L, dtype=torch.bool)
+        c, s = cos.reshape(L, -1).contiguous(), sin.reshape(L, -1).contiguous()
+        return torch.stack([self.compiled.run(row, keys, values, c, s, 0, whole, 0, 1, 0) for row in x])
 
     def _self_attention(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
@@ -162,6 +175,16 @@ class DecoderLayer(nn.Module):
             return self.compiled.cross(x[0], k, v, cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous())[None]
         x = x + self.attn.attend(self.attn_norm(x), cos, sin, k, v, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+
+COMPILED_EACH_MAX = 8  # sequences that _compiled_each runs one by one; more (a prompt's catch-up) go to torch's batch
+
+
+def compiled_each_applies(compiled: Any, x: torch.Tensor) -> bool:
+    """Whether ``x`` ``[N, L, dim]`` is a few short fp32 sequences, outside autograd, for :meth:`DecoderLayer._compiled_each`."""
+    return (compiled is not None and x.dim() == 3 and x.shape[0] <= COMPILED_EACH_MAX
+            and x.shape[1] <= FUSED_MAX_TOKENS and x.dtype == torch.float32
+            and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def compiled_applies(compiled: Any, x: torch.Tensor, keys: torch.Tensor) -> bool:
