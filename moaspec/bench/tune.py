@@ -49,7 +49,7 @@ def grid(device_type: str, lookup: int = DEFAULT_LOOKUP) -> list[Decoding]:
     chains = CHAINS + GPU_CHAINS if gpu else CHAINS
     trees = TREES + GPU_TREES if gpu else TREES
     shapes = [Decoding(chain=c, lookup=0) for c in chains] + [Decoding(tree=t, lookup=0) for t in trees]
-    lookups = [lookup] if gpu or not SHORT_LOOKUP < lookup else [lookup, SHORT_LOOKUP]
+    lookups = [lookup] if gpu or lookup <= SHORT_LOOKUP else [lookup, SHORT_LOOKUP]
     return shapes + [Decoding(d.chain, d.tree, n) for n in lookups for d in shapes] if lookup else shapes
 
 

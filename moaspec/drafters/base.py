@@ -200,11 +200,10 @@ class Drafter(nn.Module):
         the decoder layers compiled as well (:mod:`moaspec.drafters.compiled_layers`). The parameters are
         untouched, and the text cannot change: only which drafts the target accepts.
         """
-        if enable and self.weight_dtype == torch.float32:
-            if not blocks_supported(self):
-                raise ValueError("8-bit copies of fp32 weights need the compiled CPU kernel (see the message above) "
-                                 "and fp32 weights on the CPU")
-        elif enable and self.weight_dtype != INT8_ACTIVATIONS:
+        if enable and self.weight_dtype == torch.float32 and not blocks_supported(self):
+            raise ValueError("8-bit copies of fp32 weights need the compiled CPU kernel (see the message above) "
+                             "and fp32 weights on the CPU")
+        if enable and self.weight_dtype not in (torch.float32, INT8_ACTIVATIONS):
             raise ValueError("int8 weights take bf16 or fp32 activations (load the drafter in one of those first)")
         self.int8_products = enable
         self.train(self.training)

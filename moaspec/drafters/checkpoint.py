@@ -144,13 +144,12 @@ def named_precision(choice: object, target: LoadedModel, what: str = "drafter_dt
         return FLOAT_DTYPES[choice], False
     model = target.model
     cpu = model.device.type == "cpu"
-    bf16 = cpu and bf16_kernels()
-    blocks = cpu and not bf16 and model.dtype == torch.float32 and kernel() is not None
-    if blocks and choice in ("auto", "int8"):
+    bf16_cpu = cpu and bf16_kernels()
+    if cpu and not bf16_cpu and model.dtype == torch.float32 and kernel() is not None:  # "auto" or "int8"
         return torch.float32, True
     if choice == "int8" and cpu:  # aten's int8 product is quick with bf16 activations alone (int8_supported)
         return INT8_ACTIVATIONS, int8_kernels()
-    bf16 = bf16 and model.dtype == torch.float32
+    bf16 = bf16_cpu and model.dtype == torch.float32
     return (torch.bfloat16 if bf16 else model.dtype), bf16 and int8_kernels()
 
 

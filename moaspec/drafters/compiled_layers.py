@@ -1,9 +1,9 @@
 """A drafter's products and layers on 8-bit copies of its weights, through the GGUF runtime's compiled CPU kernel.
 
 Once a GGUF target's forward reads its 4-bit blocks (:mod:`moaspec.models.fused_layers`), a one-token step
-costs about 13 ms on a 2-core AVX2 EPYC, and a MoA drafting step in torch about 3.8 ms: a tenth of it in
-the ~60 small operations of its two layers, most of it in streaming 47 MB of fp32 weights that the target's
-forward has just evicted from the caches. Here each weight gets a Q8_0 copy (ggml's 8-bit blocks: a
+costs about 13 ms on a 2-core AVX2 EPYC, and a MoA drafting step in torch about 4 ms: half of it in
+streaming 47 MB of fp32 weights that the target's forward has just evicted from the caches, most of the rest
+in the Python around the ~60 small operations of its two layers. Here each weight gets a Q8_0 copy (ggml's 8-bit blocks: a
 quarter of the bytes, each weight within half a step of 1/127 of its block's largest), its products run
 through :func:`moaspec.models.block_kernel.product` with fp32 activations, and its decoder layers through
 ``decode_layers.cpp`` in one call each. The drafter only proposes, so this can change which drafts the
@@ -16,7 +16,7 @@ stay as they are, and training drops the copies.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -50,11 +50,12 @@ def compile_layer(layer: DecoderLayer) -> Any:
     """``decode_layers.cpp``'s ``Layers`` for one drafter layer whose linear layers hold blocks: q and kv stacked as
     the target's fused qkv (q alone for a cross-attention layer, whose keys and values come from elsewhere)."""
     attn, mlp = layer.attn, layer.mlp
-    parts = [attn.q] if layer.cross else [attn.q, attn.kv]
-    weights = [BlockWeights.stack([p.blocks for p in parts if p.blocks is not None])]
-    weights += [lin.blocks for lin in (attn.o, mlp.gate_up, mlp.down) if lin.blocks is not None]
-    assert len(weights) == 4 and len(parts) + 3 == sum(
-        lin.blocks is not None for lin in (*parts, attn.o, mlp.gate_up, mlp.down)), "give the linear layers blocks first"
+    projections = [attn.q] if layer.cross else [attn.q, attn.kv]
+    blocks = [lin.blocks for lin in (*projections, attn.o, mlp.gate_up, mlp.down)]
+    if any(b is None for b in blocks):
+        raise ValueError("give the layer's linear layers blocks first (use_blocks)")
+    fused = len(projections)
+    weights = [BlockWeights.stack(cast(list[BlockWeights], blocks[:fused])), *cast(list[BlockWeights], blocks[fused:])]
     tensors: list[torch.Tensor] = []
     for w in weights:
         tensors += [w.codes, w.scales, w.offsets]

@@ -125,9 +125,7 @@ class DecoderLayer(nn.Module):
             keys, values, start = cache
             T = x.shape[1]
             flat = None if mask is None else mask.reshape(T, start + T).contiguous()
-            out = self.compiled.run(x[0], keys[None], values[None], cos.reshape(T, -1).contiguous(),
-                                    sin.reshape(T, -1).contiguous(), start, flat, 0, 1, 0)
-            return out[None]
+            return self.compiled.run(x[0], keys[None], values[None], *rope_rows(cos, sin, T), start, flat, 0, 1, 0)[None]
         if cache is None and mask is None and compiled_each_applies(self.compiled, x):
             return self._compiled_each(x, cos, sin)
         if cache is not None and mask is None:
@@ -148,7 +146,7 @@ class DecoderLayer(nn.Module):
         keys = x.new_empty(1, 1, a.kv_heads, L, a.head_dim)
         values = torch.empty_like(keys)
         whole = torch.ones(L, L, dtype=torch.bool)
-        c, s = cos.reshape(L, -1).contiguous(), sin.reshape(L, -1).contiguous()
+        c, s = rope_rows(cos, sin, L)
         return torch.stack([self.compiled.run(row, keys, values, c, s, 0, whole, 0, 1, 0) for row in x])
 
     def _self_attention(
@@ -171,10 +169,14 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``x`` attends to keys/values made by :meth:`DraftAttention.keys_values` from another sequence."""
         if mask is None and compiled_applies(self.compiled, x, k):
-            T = x.shape[1]
-            return self.compiled.cross(x[0], k, v, cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous())[None]
+            return self.compiled.cross(x[0], k, v, *rope_rows(cos, sin, x.shape[1]))[None]
         x = x + self.attn.attend(self.attn_norm(x), cos, sin, k, v, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of ``T`` positions as the compiled layers take them: contiguous ``[T, head_dim]``."""
+    return cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
 
 
 COMPILED_EACH_MAX = 8  # sequences that _compiled_each runs one by one; more (a prompt's catch-up) go to torch's batch

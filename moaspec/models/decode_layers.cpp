@@ -187,6 +187,8 @@ public:
         TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 16 == 0, "unsupported head layout");
         const int64_t L = static_cast<int64_t>(tensors_.size()) / 15;
         TORCH_CHECK(!cross || L == 1, "a cross-attention Layers holds one layer");
+        const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+        width_ = cross ? q : q + 2 * kv;
         for (int64_t l = 0; l < L; ++l) {
             const torch::Tensor* t = &tensors_[15 * l];
             auto view = [&](int i) { return block_view(t[3 * i], t[3 * i + 1], t[3 * i + 2], bits[4 * l + i]); };
@@ -198,8 +200,6 @@ public:
                 d_ = t[12].numel();
                 inter_ = layer.gate_up.rows / 2;
             }
-            const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
-            width_ = cross ? q : q + 2 * kv;
             TORCH_CHECK(d_ % 32 == 0 && t[12].numel() == d_ && t[13].numel() == d_ && layer.qkv.cols == d_ &&
                         layer.qkv.rows == width_ && layer.o.cols == q && layer.o.rows == d_ &&
                         layer.gate_up.cols == d_ && layer.gate_up.rows == 2 * inter_ && inter_ % 32 == 0 &&
