@@ -13,6 +13,7 @@ turn of the first K questions of every SpecBench file, in the target's chat temp
 - ``default-fp32``: the same on the dequantised fp32 weights;
 - ``default-torch-drafter``: the default with the drafter in fp32 torch (``--drafter-dtype float32``), not on
   8-bit blocks with compiled layers (the default on CPUs without bf16 kernels);
+- ``default-candidate``: the default with the drafter ``--candidate DIR`` (e.g. a continued one; run when given);
 - ``llama.cpp``: llama-cpp-python's plain decoding of the same GGUF file (its own kernels);
 - ``llama.cpp-pld``: the same with llama-cpp-python's prompt-lookup drafter (10 tokens).
 
@@ -114,6 +115,8 @@ def main() -> None:
                          "and the parting margins need them)")
     ap.add_argument("--plot", metavar="DIR", help="also draw speedup.png there: each method's tokens/s per category "
                                                   "over plain-fp32's (moaspec.bench.plots, as moaspec bench draws it)")
+    ap.add_argument("--candidate", metavar="DIR", help="also run default-candidate: the default with this drafter "
+                                                       "checkpoint beside --drafter's")
     ap.add_argument("--pause", type=float, default=0.0,
                     help="seconds to wait, untimed, before each method (threads still spinning from the last one)")
     args = ap.parse_args()
@@ -129,10 +132,15 @@ def main() -> None:
         "default-fp32": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops, dense=True),
         "default-torch-drafter": lambda: moaspec_runner(
             lm, decoding_strategy(lm, drafter, tuned=False, drafter_dtype="float32"), stops),
+        "default-candidate": lambda: moaspec_runner(lm, decoding_strategy(lm, args.candidate, tuned=False), stops),
         "llama.cpp": lambda: llama_cpp_runner(args.threads, context, 0, stops),
         "llama.cpp-pld": lambda: llama_cpp_runner(args.threads, context, args.lookup, stops),
     }
     wanted = {m.strip() for m in args.methods.split(",")} | {"plain", "plain-fp32", "llama.cpp"}
+    if args.candidate:
+        wanted.add("default-candidate")
+    elif "default-candidate" in wanted:
+        raise SystemExit("--methods default-candidate needs --candidate DIR")
     unknown = wanted - set(runners)
     if unknown:
         raise SystemExit(f"--methods: unknown {', '.join(sorted(unknown))} (known: {', '.join(runners)})")
