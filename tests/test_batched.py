@@ -17,15 +17,16 @@ def _prompts(lm, lengths):  # type: ignore[no-untyped-def]
     return [torch.randint(3, lm.cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("batch_size,refill_below", [(8, 0.0), (2, 0.5), (3, 1.0)])
-def test_greedy_batch_equals_single_generation(tiny_llama, batch_size, refill_below) -> None:  # type: ignore[no-untyped-def]
-    """Fixed batches, refilled ones, and a batch paused after every finished row all give vanilla greedy."""
+@pytest.mark.parametrize("batch_size", [8, 2, 1])
+def test_greedy_batch_equals_single_generation(tiny_llama, batch_size) -> None:  # type: ignore[no-untyped-def]
+    """All requests at once, two at a time (each ended one replaced at once) and one at a time all give vanilla
+    greedy."""
     lm = tiny_llama
     prompts = _prompts(lm, (5, 17, 9, 1, 12))
     budgets = (30, 7, 22, 30, 15)
     eos = stop_token_ids(lm.model, lm.tokenizer)
     requests = [Request(p, n) for p, n in zip(prompts, budgets)]
-    batch = generate_many(lm.model, requests, eos, batch_size=batch_size, refill_below=refill_below)
+    batch = generate_many(lm.model, requests, eos, batch_size=batch_size)
     for p, n, (toks, stopped) in zip(prompts, budgets, batch):
         single = generate(lm.model, lm.tokenizer, p, GenerationConfig(max_new_tokens=n))
         assert toks == single.token_ids
@@ -33,8 +34,8 @@ def test_greedy_batch_equals_single_generation(tiny_llama, batch_size, refill_be
 
 
 def test_long_prompts_prefilled_in_chunks_into_their_rows(tiny_llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Each prompt is prefilled alone into its row of the batch's cache, in chunks (4 tokens here) when it is
-    long: the rows still decode as one-by-one generation does."""
+    """Each prompt is prefilled alone into its own cache, in chunks (4 tokens here) when it is long: the rows
+    still decode as one-by-one generation does."""
     monkeypatch.setitem(transformer.PREFILL_CHUNKS, "cpu", 4)
     lm = tiny_llama
     prompts = _prompts(lm, (13, 3, 22))
@@ -68,6 +69,8 @@ def test_sampled_batch_is_seeded_and_mixes_with_greedy(tiny_llama) -> None:  # t
     assert a[1][0] == generate(lm.model, lm.tokenizer, [7], GenerationConfig(max_new_tokens=15)).token_ids
 
 
-def test_empty_prompt_is_refused(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+def test_empty_prompt_and_empty_batch_are_refused(tiny_llama) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="non-empty prompt"):
         generate_many(tiny_llama.model, [Request([], 4)], set())
+    with pytest.raises(ValueError, match="batch_size"):
+        generate_many(tiny_llama.model, [Request([1], 4)], set(), batch_size=0)

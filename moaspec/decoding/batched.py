@@ -1,21 +1,21 @@
 """Batched generation of many independent requests at once, for making distillation data.
 
-Decoding one sequence leaves a CPU memory-bound; decoding 32–64 rows reads the same
-weights once per step for all of them. Two things keep the batch full:
+Decoding one sequence leaves a CPU memory-bound; decoding 32 rows reads the same weights
+once per step for all of them. The batch is kept full by **continuous batching** (as vLLM's
+scheduler does): each request has a KV cache of its own, sized to its prompt and budget, and
+is prefilled alone; every step runs the live requests' new tokens through one
+:meth:`~moaspec.models.transformer.Transformer.forward_many` (each linear layer once for all
+rows, each row attending to its own cache); a request that ends (stop token or budget)
+leaves at once and the next waiting one is prefilled into its place.
 
-* **Prefill without padding.** Each request's context is prefilled on its own, straight
-  into its row of the shared cache (right-aligned), so a short prompt never pays for
-  the longest one's length.
-* **Refill by recompute** (vLLM's recompute preemption, at batch granularity). Rows
-  that finish (stop token or budget) leave the batch. When fewer than ``refill_below``
-  of the rows are still alive and requests are waiting, the survivors are paused, their
-  tokens so far kept, and a new batch is formed from the waiting requests and the
-  paused ones. A paused row costs one prefill of its context later, far less than
-  decoding a thin batch for hundreds of steps at nearly the price of a full one.
+So no row attends over another's padding and nothing is recomputed: an earlier scheme shared
+one right-aligned cache, which made every row read the longest context's columns (twice the
+attention of the rows' own lengths on `../shared/prompts`) and paused and re-prefilled rows to
+refill the batch; this one made `moaspec data` 1.16x as fast on the same requests.
 
-Every row has its own positions, key mask, budget and sampling rule, so greedy and
-sampled requests share batches. Sampling draws from one generator in a fixed order,
-so a run is reproducible for the same requests and settings.
+Every row has its own positions, budget and sampling rule, so greedy and sampled requests
+share batches. Sampling draws from one generator in a fixed order (the live rows in order of
+admission, grouped by rule), so a run is reproducible for the same requests and batch size.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from moaspec.decoding.sampling import SamplingParams, select_tokens
-from moaspec.models.transformer import Transformer
+from moaspec.models.kv_cache import KVCache
+from moaspec.models.transformer import Call, Transformer
 
 
 @dataclass(frozen=True)
@@ -43,91 +44,67 @@ class Request:
             raise ValueError("batched generation does not apply penalties or a logit bias")
 
 
+@dataclass
+class _Live:
+    """A request being decoded: its index, its own cache, and the logits of its next token."""
+
+    index: int
+    cache: KVCache
+    logits: torch.Tensor
+
+
 def generate_many(
     model: Transformer,
     requests: Sequence[Request],
     stop_ids: set[int],
     generator: torch.Generator | None = None,
     batch_size: int = 32,
-    refill_below: float = 0.5,
 ) -> list[tuple[list[int], bool]]:
     """For each request: (new tokens without the stop token, whether a stop token ended it).
 
-    ``refill_below`` is the fraction of live rows under which a batch is paused and
-    refilled while requests wait (0 runs every batch to its end).
+    At most ``batch_size`` requests are decoded at a time, admitted in order as others end.
     """
     if any(len(r.prompt) == 0 for r in requests):
         raise ValueError("every request needs a non-empty prompt")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    dev = model.device
     outputs: list[list[int]] = [[] for _ in requests]
     stopped = [False] * len(requests)
     waiting = deque(i for i, r in enumerate(requests) if r.max_new_tokens > 0)
-    while waiting:
-        rows = [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
-        min_alive = int(len(rows) * refill_below) if waiting else 0
-        contexts = [list(requests[i].prompt) + outputs[i] for i in rows]
-        budgets = [requests[i].max_new_tokens - len(outputs[i]) for i in rows]
-        results = _decode(model, contexts, budgets, [requests[i].sampling for i in rows], stop_ids, generator, min_alive)
-        for i, (tokens, status) in zip(rows, results):
-            outputs[i] += tokens
-            if status == "paused":
-                waiting.append(i)
-            stopped[i] = status == "stop"
+    live: list[_Live] = []
+    while live or waiting:
+        while waiting and len(live) < batch_size:  # prefill alone, into a cache sized for the whole answer
+            i = waiting.popleft()
+            prompt = list(requests[i].prompt)
+            cache = model.new_cache(len(prompt) + requests[i].max_new_tokens)
+            logits = model(torch.tensor([prompt], device=dev), cache, logits_at=slice(-1, None)).logits
+            live.append(_Live(i, cache, logits[0, -1]))
+        chosen = _choose(live, requests, generator)
+        going = []
+        for row, token in zip(live, chosen):
+            if token in stop_ids:
+                stopped[row.index] = True
+                continue
+            outputs[row.index].append(token)
+            if len(outputs[row.index]) < requests[row.index].max_new_tokens:
+                going.append((row, token))
+        live = []
+        if going:
+            calls = [Call(torch.tensor([[token]], device=dev), row.cache) for row, token in going]
+            for (row, _), out in zip(going, model.forward_many(calls)):
+                assert out.logits is not None
+                row.logits = out.logits[0, -1]
+                live.append(row)
     return [(outputs[i], stopped[i]) for i in range(len(requests))]
 
 
-def _decode(
-    model: Transformer,
-    contexts: list[list[int]],
-    budgets: list[int],
-    sampling: list[SamplingParams],
-    stop_ids: set[int],
-    generator: torch.Generator | None,
-    min_alive: int,
-) -> list[tuple[list[int], str]]:
-    """Decode one batch; each row ends as "stop", "budget" or (when too few are left) "paused"."""
-    B, dev = len(contexts), model.device
-    P = max(len(c) for c in contexts)
-    cache = model.new_cache(P + max(budgets), batch_size=B)
-    valid = torch.zeros(B, cache.capacity, dtype=torch.bool, device=dev)
-    last = []
-    for b, ctx in enumerate(contexts):  # right-aligned at column P, without padding compute
-        row = cache.row_view(b, P - len(ctx))
-        ids = torch.tensor(ctx, device=dev)[None]
-        last.append(model(ids, row, logits_at=slice(-1, None)).logits[0, -1])
-        valid[b, P - len(ctx) : P] = True
-    cache.length = P
-    logits = torch.stack(last)
-
-    rules = list(dict.fromkeys(sampling))  # the distinct sampling rules, in first-seen order
-    positions = torch.tensor([len(c) for c in contexts], device=dev)  # next position per row
-    alive = list(range(B))  # original row of each live batch row
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    status = ["paused"] * B
-    while True:
-        nxt = torch.empty(len(alive), dtype=torch.long, device=dev)
-        for params in rules:
-            sel = [r for r, row in enumerate(alive) if sampling[row] == params]
-            if sel:
-                idx = torch.tensor(sel, device=dev)
-                nxt[idx] = select_tokens(logits[idx], params, generator)
-        keep = []
-        for r, (b, tok) in enumerate(zip(alive, nxt.tolist())):  # b: the row's place in the whole batch
-            if tok in stop_ids:
-                status[b] = "stop"
-                continue
-            outputs[b].append(tok)
-            if len(outputs[b]) == budgets[b]:
-                status[b] = "budget"
-                continue
-            keep.append(r)
-        if len(keep) < len(alive):
-            if not keep or len(keep) < min_alive:
-                break
-            k = torch.tensor(keep, device=dev)
-            alive, nxt, positions, valid = [alive[r] for r in keep], nxt[k], positions[k], valid[k]
-            cache.select_rows(k)
-        S = cache.length
-        valid[:, S] = True
-        logits = model(nxt[:, None], cache, positions=positions[:, None], mask=valid[:, None, : S + 1]).logits[:, -1]
-        positions = positions + 1
-    return [(outputs[b], status[b]) for b in range(B)]
+def _choose(live: list[_Live], requests: Sequence[Request], generator: torch.Generator | None) -> list[int]:
+    """The next token of every live row: one draw per distinct sampling rule, in first-seen order."""
+    logits = torch.stack([row.logits for row in live])
+    chosen = torch.empty(len(live), dtype=torch.long, device=logits.device)
+    rules = [requests[row.index].sampling for row in live]
+    for params in dict.fromkeys(rules):
+        idx = torch.tensor([r for r, rule in enumerate(rules) if rule == params], device=logits.device)
+        chosen[idx] = select_tokens(logits[idx], params, generator)
+    return chosen.tolist()

@@ -151,6 +151,13 @@ class Attention(nn.Module):
         """Attention of new tokens' fused ``qkv`` projection ``[B, T, q + 2 kv]`` over the cache and themselves, before
         the output projection ``o``: ``[B, T, q_dim]``. Apart from the projections so that several sequences' tokens
         can share them (:meth:`Transformer.forward_many`) while each attends to its own cache."""
+        q, k, v = self.rotate(qkv, cos, sin)
+        return self.attend_rotated(q, k, v, k_cache, v_cache, start, mask)
+
+    def rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection ``[B, T, q + 2 kv]`` as heads, queries and keys normed (Qwen3) and rotated: q
+        ``[B, H, T, D]``, k and v ``[B, KV, T, D]``. One call for several sequences' tokens (their own positions in
+        ``cos``/``sin``), where :meth:`attend_rotated` then runs once per sequence."""
         B, T, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
         q, k = q.view(B, T, self.num_heads, self.head_dim), k.view(B, T, self.num_kv_heads, self.head_dim)
@@ -158,7 +165,13 @@ class Attention(nn.Module):
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`attend` after :meth:`rotate`: the new keys and values written at ``start`` and the queries'
+        attention over the cache up to them, ``[B, T, q_dim]``."""
+        B, T = q.shape[0], q.shape[2]
         end = start + T
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             # Training through these blocks (a drafter's own, or TLI): attend over fresh tensors.
@@ -174,7 +187,7 @@ class Attention(nn.Module):
         differs = keys.dtype != q.dtype
         y = F.scaled_dot_product_attention(q.to(keys.dtype) if differs else q, keys, values, attn_mask=mask,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
-        return (y.to(qkv.dtype) if differs else y).transpose(1, 2).reshape(B, T, -1)
+        return (y.to(q.dtype) if differs else y).transpose(1, 2).reshape(B, T, -1)
 
 
 class MLP(nn.Module):
@@ -435,7 +448,8 @@ class Transformer(nn.Module):
         """
         if self.first_block:
             raise ValueError("forward_many runs whole models, not the last blocks alone")
-        spans: list[tuple[Any, ...]] = []  # per call: its columns a..b of the joint batch, first position, cos/sin, and attention mask
+        spans: list[tuple[Any, ...]] = []  # per call: its columns a..b of the joint batch, first position, attention mask
+        angles: list[torch.Tensor] = []  # per call: its new tokens' positions
         for c in calls:
             B, T = c.tokens.shape
             start = c.cache.length
@@ -446,10 +460,12 @@ class Transformer(nn.Module):
             mask = self._mask(c.mask, start, T, pos)
             mask = mask if mask is None else mask[None, None] if mask.dim() == 2 else mask[:, None]
             a = spans[-1][1] if spans else 0
-            spans.append((a, a + T, start, *self.rope(pos), mask))
+            spans.append((a, a + T, start, mask))
+            angles.append(pos)
+        cos, sin = self.rope(torch.cat(angles))
         h = self.embed(torch.cat([c.tokens for c in calls], dim=1))
         for i, block in enumerate(cast(Sequence[Block], self.blocks)):
-            h = block.around(h, partial(_attend_each, block.attn, i, calls, spans))
+            h = block.around(h, partial(_attend_each, block.attn, i, calls, spans, cos, sin))
         hidden = self.final_norm(h)
         pieces = [hidden[:, a:b] for a, b, *_ in spans]
         selected = [p if c.logits_at is None else p[:, c.logits_at] for c, p in zip(calls, pieces)]
@@ -480,11 +496,13 @@ def fused_applies(h: torch.Tensor, cache: KVCache) -> bool:
 
 
 def _attend_each(attn: Attention, layer: int, calls: Sequence[Call], spans: Sequence[tuple[Any, ...]],
-                 qkv: torch.Tensor) -> torch.Tensor:
-    """:meth:`Transformer.forward_many`'s attention in block ``layer``: each call's columns of the joint ``qkv``
-    attend to its own cache, with its own positions and mask."""
-    return torch.cat([attn.attend(qkv[:, a:b], cos, sin, c.cache.keys[layer], c.cache.values[layer], start, mask)
-                      for c, (a, b, start, cos, sin, mask) in zip(calls, spans)], dim=1)
+                 cos: torch.Tensor, sin: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    """:meth:`Transformer.forward_many`'s attention in block ``layer``: the joint ``qkv`` rotated at once (each
+    column by its own position), then each call's columns attend to its own cache, with its own mask."""
+    q, k, v = attn.rotate(qkv, cos, sin)
+    return torch.cat([attn.attend_rotated(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], c.cache.keys[layer],
+                                          c.cache.values[layer], start, mask)
+                      for c, (a, b, start, mask) in zip(calls, spans)], dim=1)
 
 
 # New tokens per block pass in a causal forward, by device type. On this CPU (2 cores, SmolLM2) an

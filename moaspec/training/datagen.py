@@ -79,8 +79,9 @@ USER_TASK = "user"  # the task family of a conversation from --prompts
 PLACEHOLDER = "\u2063QUERY\u2063"
 # The batching scheme changes which random numbers each row draws, hence the data; a
 # directory is only extended by the scheme that began it (1: fixed batches per sampling
-# rule; 2: mixed rules per batch, refill by recompute, pasted-text task families).
-GENERATOR = 2
+# rule; 2: mixed rules per batch, refill by recompute, pasted-text task families; 3: continuous
+# batching, each sequence in a cache of its own).
+GENERATOR = 3
 # `moaspec data` gives up after this many shards in a row without a record, and at least this many tries
 STALL_SHARDS, STALL_CONVERSATIONS = 3, 64
 COUNTS = ("started", "answered", "turns", "answer_tokens")  # what the manifest counts per prompt file and category
