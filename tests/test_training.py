@@ -743,7 +743,9 @@ def test_gpu_distillation_script_runs_end_to_end(tiny_dirs, tiny_llama, tiny_dat
     shutil.copytree(tiny_data, tmp_path / "opts" / "data1")
     proc = subprocess.run(["bash", script, str(tmp_path / "opts"), "--tokens-per-batch", "1024", "--warmup", "5",
                            "--threads", "1", "--draft-vocab", "256"],
-                          env={**env, "DRAFTERS": "eagle", "DATA_OPTIONS": "--passages docs --pasted-fraction 1.5"},
+                          # DATA_S: time to start and refuse the option even on a busy machine (it exits at once)
+                          env={**env, "DRAFTERS": "eagle", "DATA_OPTIONS": "--passages docs --pasted-fraction 1.5",
+                               "DATA_S": "120"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = (tmp_path / "opts" / "data1.log").read_text()
