@@ -11,7 +11,7 @@ leaves at once and the next waiting one is prefilled into its place.
 So no row attends over another's padding and nothing is recomputed: an earlier scheme shared
 one right-aligned cache, which made every row read the longest context's columns (twice the
 attention of the rows' own lengths on `../shared/prompts`) and paused and re-prefilled rows to
-refill the batch; this one made `moaspec data` 1.16x as fast on the same requests.
+refill the batch; this one made `moaspec data` 1.23x as fast on the same requests.
 
 Every row has its own positions, budget and sampling rule, so greedy and sampled requests
 share batches. Sampling draws from one generator in a fixed order (the live rows in order of
