@@ -644,22 +644,3 @@ def test_forward_many_computes_what_each_forward_computes(pairs, family: str) ->
     with pytest.raises(ValueError, match="cache overflow"):
         ours.forward_many([Call(torch.zeros(1, 3, dtype=torch.long), full)])
     assert full.length == 4
-
-
-def test_select_rows_keeps_rows_in_place() -> None:
-    """Dropping batch rows moves the kept ones down over the cached positions, as index_select would give them."""
-    from moaspec.models.kv_cache import KVCache
-
-    gen = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(2, 5, 3, 6, 4, generator=gen), torch.randn(2, 5, 3, 6, 4, generator=gen)
-    cache = KVCache(2, 3, 4, capacity=8, batch_size=5)
-    cache.keys[..., :6, :], cache.values[..., :6, :], cache.length = keys, values, 6
-    cache.select_rows(torch.tensor([0, 2, 3]))
-    assert cache.batch_size == 3 and cache.capacity == 8
-    torch.testing.assert_close(cache.keys[..., :6, :], keys[:, [0, 2, 3]], rtol=0, atol=0)
-    torch.testing.assert_close(cache.values[..., :6, :], values[:, [0, 2, 3]], rtol=0, atol=0)
-    cache.select_rows(torch.tensor([2]))  # one row left: contiguous again, as the compiled layers read it
-    assert cache.keys.is_contiguous() and cache.values.is_contiguous() and cache.batch_size == 1
-    torch.testing.assert_close(cache.keys[..., :6, :], keys[:, [3]], rtol=0, atol=0)
-    with pytest.raises(ValueError, match="increasing"):
-        cache.select_rows(torch.tensor([0, 0]))

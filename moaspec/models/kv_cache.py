@@ -84,42 +84,11 @@ class KVCache:
             self.values[:, :, :, start : start + n] = self.values.index_select(3, src)
         self.length = start + n
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows ``rows``, increasing (batched generation drops finished sequences).
-
-        In place and over the cached positions only: each kept row moves down to its new index and the
-        buffer becomes a view of its first rows. A fresh buffer would copy (and first fault in) the whole
-        capacity of every row each time one sequence ends, which cost a fifth of batched generation's time.
-        """
-        kept = rows.tolist()
-        if any(b <= a for a, b in zip(kept, kept[1:])) or (kept and not 0 <= kept[0] <= kept[-1] < self.batch_size):
-            raise ValueError(f"rows to keep must be increasing indices below {self.batch_size}, got {kept}")
-        n = self.length
-        for new, old in enumerate(kept):
-            if new != old:  # old > new: the source row has not been overwritten yet
-                self.keys[:, new, :, :n] = self.keys[:, old, :, :n]
-                self.values[:, new, :, :n] = self.values[:, old, :, :n]
-        self.keys, self.values = self.keys[:, : len(kept)], self.values[:, : len(kept)]
-        if len(kept) == 1:  # a lone sequence's cache is contiguous again, as the compiled layers read it
-            self.keys, self.values = self.keys.contiguous(), self.values.contiguous()
-
     def load_prefix(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
         """Begin with the first ``n`` positions of ``keys``/``values`` (another cache's, or a stored copy), nothing after."""
         self.keys[:, :, :, :n] = keys[:, :, :, :n]
         self.values[:, :, :, :n] = values[:, :, :, :n]
         self.length = n
-
-    def row_view(self, row: int, offset: int) -> KVCache:
-        """Row ``row`` from position ``offset`` on, as an empty batch-1 cache sharing this one's memory.
-
-        Batched generation prefills each prompt alone through such a view, right-aligned
-        in its row, so no row pays for another's padding.
-        """
-        view = KVCache.__new__(KVCache)
-        view.keys = self.keys[:, row : row + 1, :, offset:]
-        view.values = self.values[:, row : row + 1, :, offset:]
-        view.length = 0
-        return view
 
     def token_kv(self, start: int, end: int) -> torch.Tensor:
         """Per-token view of every layer's K and V: ``[batch, end-start, layers, 2*kv_heads*head_dim]``.
