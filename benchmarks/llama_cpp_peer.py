@@ -9,7 +9,10 @@ turn of the first K questions of every SpecBench file, in the target's chat temp
 - ``plain``: this runtime's plain decoding (the default: 4-bit blocks, fp32 arithmetic);
 - ``plain-fp32``: the same on the dequantised fp32 weights;
 - ``moa-tree``: the shipped MoA drafter's tree alone (depth 2, top-2, 4 nodes; no prompt lookup);
-- ``default``: the main job's decoding (prompt lookup, then MoA chains of 2);
+- ``default``: the main job's decoding: prompt lookup and MoA chains, decided cycle by cycle by this host's
+  measured costs (``moaspec.decoding.policy``);
+- ``fixed``: the decoding that was the default before the cost-aware policy (lookup 10, else MoA chains of 2);
+- ``moa-tree-cost``: ``moa-tree`` with a plain step wherever the tree is not expected to pay;
 - ``default-fp32``: the same on the dequantised fp32 weights;
 - ``default-torch-drafter``: the default with the drafter in fp32 torch (``--drafter-dtype float32``), not on
   8-bit blocks with compiled layers (the default on CPUs without bf16 kernels);
@@ -110,8 +113,8 @@ def main() -> None:
     ap = specbench_script.parser(__doc__, per_file=5)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--lookup", type=int, default=10, help="llama.cpp-pld's drafted tokens per step")
-    ap.add_argument("--methods", default="plain,plain-fp32,moa-tree,default,default-fp32,llama.cpp,llama.cpp-pld",
-                    help="which of the methods above to run (plain, plain-fp32 and llama.cpp always run: the ratios "
+    ap.add_argument("--methods", default="plain,plain-fp32,moa-tree,default,fixed,default-fp32,llama.cpp,llama.cpp-pld",
+                    help="which of the methods above to run (plain always runs: the ratios "
                          "and the parting margins need them)")
     ap.add_argument("--plot", metavar="DIR", help="also draw speedup.png there: each method's tokens/s per category "
                                                   "over plain-fp32's (moaspec.bench.plots, as moaspec bench draws it)")
@@ -128,15 +131,18 @@ def main() -> None:
         "plain": lambda: moaspec_runner(lm, decoding_strategy(lm, None), stops),
         "plain-fp32": lambda: moaspec_runner(lm, decoding_strategy(lm, None), stops, dense=True),
         "moa-tree": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0), stops),
-        "default": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops),
-        "default-fp32": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tuned=False), stops, dense=True),
+        "moa-tree-cost": lambda: moaspec_runner(
+            lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0, by_cost=True), stops),
+        "default": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter), stops),
+        "fixed": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, by_cost=False), stops),
+        "default-fp32": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter), stops, dense=True),
         "default-torch-drafter": lambda: moaspec_runner(
-            lm, decoding_strategy(lm, drafter, tuned=False, drafter_dtype="float32"), stops),
-        "default-candidate": lambda: moaspec_runner(lm, decoding_strategy(lm, args.candidate, tuned=False), stops),
+            lm, decoding_strategy(lm, drafter, drafter_dtype="float32"), stops),
+        "default-candidate": lambda: moaspec_runner(lm, decoding_strategy(lm, args.candidate), stops),
         "llama.cpp": lambda: llama_cpp_runner(args.threads, context, 0, stops),
         "llama.cpp-pld": lambda: llama_cpp_runner(args.threads, context, args.lookup, stops),
     }
-    wanted = {m.strip() for m in args.methods.split(",")} | {"plain", "plain-fp32", "llama.cpp"}
+    wanted = {m.strip() for m in args.methods.split(",")} | {"plain"}
     if args.candidate:
         wanted.add("default-candidate")
     elif "default-candidate" in wanted:
@@ -170,7 +176,8 @@ def main() -> None:
             agree[name].append(common_prefix(out, answers["plain"]))
             identical[name] += out == answers["plain"]
         print(f"{q.category}/{q.question_id}: " + ", ".join(f"{n} {rates[n]:.1f}" for n in names) + " tok/s", flush=True)
-    margins = parting_margins(lm, prompts, answers_of["plain"], answers_of["plain-fp32"])
+    margins = (parting_margins(lm, prompts, answers_of["plain"], answers_of["plain-fp32"]) if "plain-fp32" in methods
+               else [])
     for question, at, margin in margins:
         print(f"{question}: plain parts from plain-fp32 at new token {at}, where their fp32 logits differ by {margin:.2e}")
     categories = sorted({q.category for q, _ in prompts}) + ["overall"]
@@ -180,9 +187,9 @@ def main() -> None:
     for n in names:
         print(f"{n:<15}" + "".join(f"{rate[n][c]:>10.1f}" for c in categories)
               + f"{rate[n]['overall'] / rate['plain']['overall']:>10.2f}"
-              + f"{rate[n]['overall'] / rate['llama.cpp']['overall']:>14.2f}"
+              + (f"{rate[n]['overall'] / rate['llama.cpp']['overall']:>14.2f}" if "llama.cpp" in rate else f"{'-':>14}")
               + f"{identical[n]:>9} / {len(prompts):<3}{statistics.median(agree[n]):>15.0f}")
-    if args.plot:
+    if args.plot and "plain-fp32" in rate:
         from pathlib import Path
 
         from moaspec.bench.plots import save_plots

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from moaspec.chat import Message, chat_messages, encode_chat, encode_text, outside_vocabulary
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, PieceCallback, TextCallback
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
+from moaspec.decoding.policy import MAX_CHAIN, MAX_NEW, Policy
 from moaspec.decoding.prefill import Prefill, PromptCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
@@ -50,58 +51,59 @@ def _warn(message: str) -> None:
 
 
 def decoding_given(chain: int | None, tree: TreeShape | None, lookup: int | None, confidence: float | None) -> bool:
-    """Whether any decoding option was given: without one, a drafter decodes as ``moaspec tune`` saved."""
+    """Whether any decoding option was given: without one, decoding is cost-aware (:mod:`moaspec.decoding.policy`)."""
     return chain is not None or tree is not None or lookup is not None or confidence is not None
 
 
 def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, chain: int | None = None,
                       tree: TreeShape | None = None, lookup: int | None = None, confidence: float | None = None,
-                      drafter_dtype: torch.dtype | str | None = None, tuned: bool = True,
+                      drafter_dtype: torch.dtype | str | None = None, by_cost: bool | None = None,
                       notify: Callable[[str], None] = _warn) -> Strategy:
     """How ``target`` will decode: ``drafter``'s chains of ``chain`` drafts (or its ``tree``), with up to
     ``lookup`` prompt-lookup drafts in front.
 
-    With none of ``chain``, ``tree``, ``lookup`` and ``confidence`` given, a drafter decodes as
-    ``moaspec tune`` measured fastest on this machine (when ``tuned`` and a result for this target,
-    drafter, device and threads is saved: see :mod:`moaspec.tuned`), else with the built-in defaults
-    (chains of 2 after lookup 10). Without a drafter, ``lookup`` defaults to 0.
+    ``by_cost`` (None: when none of ``chain``, ``tree``, ``lookup`` and ``confidence`` is given) decides each
+    cycle from this host's measured costs and the request's acceptance whether to verify lookup's copy, let
+    the drafter draft, or take a plain step (:mod:`moaspec.decoding.policy`); ``chain`` and ``lookup`` then cap
+    what it may draft (default :data:`~moaspec.decoding.policy.MAX_CHAIN` and 15). Without it chains are
+    always ``chain`` long (default 2), after lookup's copy where there is one (default 10). Without a
+    drafter, ``lookup`` defaults to 0.
 
     ``drafter_dtype``: the drafter's precision, a torch dtype or a name ``--drafter-dtype`` takes
     ("int8" too); ``None`` is "auto" (or ``$MOASPEC_DRAFTER_DTYPE``).
 
-    A target for which no drafter ships decodes without one rather than failing: ``notify`` is told
-    why (a warning by default), since output is the same and only speed differs.
+    A target for which no drafter ships decodes with prompt lookup alone rather than failing: ``notify`` is
+    told why (a warning by default), since output is the same and only speed differs.
     """
-    chosen = decoding_given(chain, tree, lookup, confidence)
-    chain = DEFAULT_CHAIN if chain is None else chain
+    if by_cost is None:
+        by_cost = not decoding_given(chain, tree, lookup, confidence)
+    chain = (MAX_CHAIN if by_cost else DEFAULT_CHAIN) if chain is None else chain
     confidence = DEFAULT_CONFIDENCE if confidence is None else confidence
     if lookup is None:
-        lookup = DEFAULT_LOOKUP if drafter is not None else 0
+        lookup = 0 if drafter is None else MAX_NEW - 1 if by_cost else DEFAULT_LOOKUP
     if drafter is None:
-        return Strategy(lookup=lookup)
+        return Strategy(lookup=lookup, policy=_policy(target, None, None) if by_cost and lookup else None)
     if drafter == SHIPPED:
         from moaspec.drafters import shipped_drafter
 
         path = shipped_drafter(target)
         if path is None:
-            how = f"prompt lookup alone (lookup {lookup})" if lookup else "plain decoding"
+            how = f"prompt lookup alone (up to {lookup} drafts)" if lookup else "plain decoding"
             notify(f"no drafter ships for {target.path.name}; decoding with {how}")
-            return Strategy(lookup=lookup)
+            return Strategy(lookup=lookup, policy=_policy(target, None, None) if by_cost and lookup else None)
     else:
         path = Path(drafter)
     from moaspec.drafters import load_drafter
 
     loaded = load_drafter(path, target, drafter_dtype)
-    if tuned and not chosen:
-        from moaspec.tuned import load_tuned, machine_key
+    return Strategy(loaded, chain=chain, tree=tree, lookup=lookup, confidence=confidence,
+                    policy=_policy(target, path, loaded) if by_cost else None)
 
-        found = load_tuned(machine_key(target, path, loaded))
-        if found is not None:
-            best, source = found
-            if not best.drafts:  # measured: plain decoding is the fastest here
-                return Strategy(tuned_from=str(source))
-            return Strategy(loaded, chain=best.chain, tree=best.tree, lookup=best.lookup, tuned_from=str(source))
-    return Strategy(loaded, chain=chain, tree=tree, lookup=lookup, confidence=confidence)
+
+def _policy(target: LoadedModel, path: Path | None, drafter: Any) -> Policy:
+    from moaspec.costs import policy_for
+
+    return policy_for(target, path, drafter)
 
 
 def encode_prompt(target: LoadedModel, prompt: Prompt, system: str | None = None, raw: bool = False) -> list[int]:

@@ -10,11 +10,12 @@ neither of those imports the other's way up.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, LogprobCallback, PieceCallback, TextCallback
 from moaspec.decoding.lookup import LookupProposer
+from moaspec.decoding.policy import MAX_NEW, Policy
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.proposer import check_confidence
 from moaspec.decoding.speculative import DEFAULT_CHAIN, generate_chain
@@ -41,7 +42,7 @@ class Strategy:
     lookup: int = 0
     lookup_min_ngram: int | None = None  # shortest lookup match that counts (None: LookupProposer's rule)
     confidence: float = 0.0  # a chain's drafts after the first need this draft probability (0: off)
-    tuned_from: str | None = None  # the `moaspec tune` result these settings came from, if any
+    policy: Policy | None = field(default=None, compare=False)  # cost-aware: chains up to ``chain`` and lookup up to ``lookup`` drafts, as they pay
 
     def __post_init__(self) -> None:
         if not (whole_number(self.chain) and self.chain >= 1):
@@ -52,6 +53,8 @@ class Strategy:
             raise MoaspecError(f"a tree is a TreeShape(depth, top_k, total), got {self.tree!r}")
         if self.lookup and self.tree is not None and self.drafter is None:
             raise MoaspecError("prompt lookup adds to a drafter's tree; without a drafter it drafts chains")
+        if self.policy is not None and self.tree is not None and self.drafter is None:
+            raise MoaspecError("a tree needs a drafter")
         check_confidence(self.confidence)
         if self.confidence and self.tree is not None:
             raise MoaspecError("a draft confidence ends chains early; trees are sized by --tree-total instead")
@@ -65,8 +68,11 @@ class Strategy:
             return lookup[1:] or "vanilla"
         kind = type(self.drafter).__name__.removesuffix("Drafter").lower()
         if self.tree is not None:
-            return f"{kind}-tree(depth={self.tree.depth},top_k={self.tree.top_k},total={self.tree.total})" + lookup
+            by_cost = ",by-cost" if self.policy is not None else ""
+            return f"{kind}-tree(depth={self.tree.depth},top_k={self.tree.top_k},total={self.tree.total}{by_cost})" + lookup
         confidence = f",confidence={self.confidence:g}" if self.confidence else ""
+        if self.policy is not None:
+            return f"by-cost(lookup<={self.lookup},{kind}-chain<={self.chain}{confidence})"
         return f"{kind}-chain({self.chain}{confidence})" + lookup
 
     def run(self, target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
@@ -76,6 +82,9 @@ class Strategy:
         the prompt is read (told chunk by chunk; reusing recent prompts' K/V); ``on_logprobs`` gets each piece's
         log-probability entries just before it (when ``config.logprobs`` asks for them)."""
         model, tok = target.model, target.tokenizer
+        if self.policy is not None and self.tree is None:
+            return self._by_cost(target, prompt_ids, config, on_text, on_piece, prefill, on_logprobs)
+        speculation = None if self.policy is None else self.policy.request(self.drafter is not None)
         if self.drafter is None and not self.lookup:
             if on_piece is not None:
                 piece = on_piece
@@ -88,7 +97,30 @@ class Strategy:
             proposer = LookupProposer(model.cfg.vocab_size, proposer, drafter_len=self.chain, tree_lookup=self.lookup,
                                       min_ngram=self.lookup_min_ngram)
         if self.tree is not None:
-            return generate_tree(model, tok, proposer, prompt_ids, config, self.tree, on_text=on_text, on_piece=on_piece,
-                                 prefill=prefill, on_logprobs=on_logprobs)
+            try:
+                return generate_tree(model, tok, proposer, prompt_ids, config, self.tree, on_text=on_text,
+                                     on_piece=on_piece, prefill=prefill, on_logprobs=on_logprobs, speculation=speculation)
+            finally:
+                if speculation is not None:
+                    assert self.policy is not None
+                    self.policy.finished(speculation)
         return generate_chain(model, tok, proposer, prompt_ids, config, draft_len=max(self.chain, self.lookup),
                               on_text=on_text, on_piece=on_piece, prefill=prefill, on_logprobs=on_logprobs)
+
+    def _by_cost(self, target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
+                 on_text: TextCallback | None, on_piece: PieceCallback | None, prefill: Prefill,
+                 on_logprobs: LogprobCallback | None) -> GenerationResult:
+        """Chains decided cycle by cycle by :mod:`moaspec.decoding.policy`: lookup, the drafter, or a plain step."""
+        from moaspec.drafters.proposers import proposer_for
+
+        assert self.policy is not None
+        speculation = self.policy.request(self.drafter is not None)
+        drafter: Any = proposer_for(self.drafter, self.confidence) if self.drafter is not None else None
+        proposer = LookupProposer(target.model.cfg.vocab_size, drafter, drafter_len=self.chain, tree_lookup=self.lookup,
+                                  min_ngram=self.lookup_min_ngram, speculation=speculation)
+        try:
+            return generate_chain(target.model, target.tokenizer, proposer, prompt_ids, config,
+                                  draft_len=max(self.chain, min(self.lookup, MAX_NEW - 1)), on_text=on_text,
+                                  on_piece=on_piece, prefill=prefill, on_logprobs=on_logprobs)
+        finally:
+            self.policy.finished(speculation)

@@ -19,11 +19,13 @@ from typing import TypeVar
 
 import torch
 
+from moaspec.costs import policy_for
 from moaspec.decoding import GenerationConfig
 from moaspec.decoding.detokenize import Detokenizer
 from moaspec.decoding.generation import GenerationResult
 from moaspec.decoding.lookup import DEFAULT_LOOKUP
 from moaspec.decoding.opening import stop_token_ids
+from moaspec.decoding.policy import MAX_CHAIN, MAX_NEW
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.speculative import DEFAULT_CHAIN, DEFAULT_CONFIDENCE
 from moaspec.decoding.tree import TreeShape
@@ -38,7 +40,7 @@ from moaspec.models.loading import LoadedModel
 from moaspec.strategy import Strategy
 
 Method = Callable[[Sequence[int], int], GenerationResult]
-KNOWN = ("vanilla", "moa", "moa-chain", "moa-pld", "moa-chain-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
+KNOWN = ("vanilla", "default", "moa", "moa-chain", "moa-pld", "moa-chain-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
 
 
 @dataclass(frozen=True)
@@ -137,14 +139,16 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
     ``hf-assisted`` hands the same independent drafter, converted to a transformers
     ``LlamaForCausalLM``, to ``generate`` as its ``assistant_model``. ``pld`` is prompt
     lookup on this runtime (``hf-pld`` is transformers' own); ``moa-pld`` grafts it onto
-    MoA's trees, ``moa-chain-pld`` puts it in front of MoA's chains.
+    MoA's trees, ``moa-chain-pld`` puts it in front of MoA's chains. ``default`` is what ``moaspec generate``
+    does without options: lookup and MoA's chains decided cycle by cycle by cost (:mod:`moaspec.decoding.policy`),
+    with this host's measured costs.
     """
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN)}")
     methods: dict[str, Method] = {}
     moa = None
-    if {"moa", "moa-chain", "moa-pld", "moa-chain-pld"} & set(names):
+    if {"moa", "moa-chain", "moa-pld", "moa-chain-pld", "default"} & set(names):
         path = opts.moa_drafter or shipped_drafter(target)
         if path is None:
             raise MoaspecError(f"no MoA drafter for {target.path.name}: pass --drafter")
@@ -160,6 +164,8 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
     for name in names:
         if name == "vanilla":
             methods[name] = ours(Strategy())
+        elif name == "default":
+            methods[name] = ours(Strategy(moa, chain=MAX_CHAIN, lookup=MAX_NEW - 1, policy=policy_for(target, path, moa)))
         elif name == "moa":
             methods[name] = ours(Strategy(moa, tree=opts.tree))
         elif name == "moa-chain":

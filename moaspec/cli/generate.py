@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                           on_piece=coloured if args.show_drafts and not args.json else None,
                           prefill=Prefill(None if args.json else _prefill_bar(len(ids))))
     if args.json:
-        out = {**result.to_dict(), "decoding": strategy.describe(), "tuned_from": strategy.tuned_from}
+        out = {**result.to_dict(), "decoding": strategy.describe(),
+               "costs_from": None if strategy.policy is None else strategy.policy.source}
         if result.logprobs is not None:
             out["logprobs"] = options.logprobs_json(loaded.tokenizer, result.logprobs)
         print(json.dumps(out, ensure_ascii=False))

@@ -176,16 +176,19 @@ def tree_shape(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def add_decoding_options(p: argparse.ArgumentParser) -> None:
-    """How ``generate`` and ``serve`` decode with a drafter; left out, what `moaspec tune` measured fastest here."""
+    """How ``generate`` and ``serve`` decode with a drafter; left out, cost-aware (:mod:`moaspec.decoding.policy`)."""
     p.add_argument("--chain", type=int, default=None, metavar="T",
-                   help=f"chain drafting: T drafts per target forward (default {default_chain()}, measured best on the "
-                        "CPUs of BENCHMARKS.md, or what `moaspec tune` saved for this machine)")
+                   help=f"chain drafting: T drafts per target forward (default {default_chain()} with --policy fixed; "
+                        "by cost, the most the drafter may draft per cycle)")
     add_confidence_option(p, tunable=True)
     p.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic-tree drafting instead of a chain")
     add_tree_options(p)
     _add_lookup_option(p)
-    p.add_argument("--no-tuned", action="store_true",
-                   help="ignore the settings `moaspec tune` saved for this machine (used when no decoding option is given)")
+    p.add_argument("--policy", choices=("cost", "fixed"), default=None,
+                   help="cost: decide each cycle from this host's measured costs and the answer's acceptance whether to "
+                        "verify lookup's copy, let the drafter draft (and how far) or take a plain step, with --chain "
+                        "and --lookup as caps; fixed: draft exactly as the options say (default: cost when no decoding "
+                        "option is given, else fixed)")
 
 
 def strategy_for(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-def]
@@ -204,7 +207,7 @@ def strategy_for(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-d
 
     return decoding_strategy(loaded, None if args.no_draft else args.drafter or SHIPPED, chain=args.chain,
                              tree=tree_shape(args), lookup=args.lookup, confidence=args.draft_confidence,
-                             tuned=not args.no_tuned, notify=notify)
+                             by_cost=None if args.policy is None else args.policy == "cost", notify=notify)
 
 
 def load_target(args: argparse.Namespace):  # type: ignore[no-untyped-def]

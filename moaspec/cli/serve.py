@@ -46,7 +46,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from moaspec.api import decoding_given
     from moaspec.models.sources import model_name
     from moaspec.serving import Engine, create_app, listen, run_server
 
@@ -100,13 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if api_key is None and not ipaddress.ip_address(host.split("%")[0]).is_loopback:
         print(f"moaspec: warning: serving on {args.host} without a key: anyone who reaches this port may use the "
               "model (--api-key or $MOASPEC_API_KEY requires one)", file=sys.stderr, flush=True)
-    tuned = f", tuned in {engine.strategy.tuned_from}" if engine.strategy.tuned_from else ""
-    asked = decoding_given(args.chain, options.tree_shape(args), args.lookup, args.draft_confidence)
-    if not (tuned or asked or args.no_tuned or engine.strategy.drafter is None) and loaded.model.device.type == "cpu":
-        # a setting saved by `moaspec tune` holds for one thread count, and each decoder here has its share of the cores
-        tuned = (f", the built-in default: `moaspec tune --threads {torch.get_num_threads()}` with the same model and "
-                 "drafter measures this machine's fastest for it")
-    print(f"moaspec: serving {name} ({engine.strategy.describe()}{tuned}) on http://{host}:{port} — chat page at /, "
+    print(f"moaspec: serving {name} ({engine.strategy.describe()}) on http://{host}:{port} — chat page at /, "
           f"OpenAI API at /v1{', key required' if api_key else ''}", file=sys.stderr, flush=True)
     run_server(app, sock, log_level=args.log_level)
     return 0

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from moaspec.decoding.policy import MAX_NEW, Speculation
 from moaspec.decoding.proposer import Proposal, Proposer, Resumable
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import DraftTree, TreeShape
@@ -94,10 +95,15 @@ class LookupProposer:
     grows its tree as usual and up to ``tree_lookup`` lookup drafts are grafted onto it.
     ``min_ngram`` (default: 1 alone, :data:`MIN_NGRAM_BEFORE_DRAFTER` with a drafter) is
     the shortest match that counts.
+
+    With a ``speculation`` (:mod:`moaspec.decoding.policy`) each chain cycle is decided by cost: how many of
+    lookup's copied tokens to verify, or whether the drafter drafts (and how far, as it goes), or neither.
+    Cycles without the drafter then leave it alone: what they verified reaches it in one piece when it next
+    drafts, so a run of lookup or plain steps costs it nothing.
     """
 
     def __init__(self, vocab_size: int, drafter: Proposer | None = None, drafter_len: int = 0, tree_lookup: int = 0,
-                 max_ngram: int = 3, min_ngram: int | None = None) -> None:
+                 max_ngram: int = 3, min_ngram: int | None = None, speculation: Speculation | None = None) -> None:
         self.vocab_size = vocab_size  # the target's: sampled proposals carry a distribution over it
         self.drafter = drafter
         self.drafter_len = drafter_len
@@ -106,6 +112,14 @@ class LookupProposer:
         if min_ngram is None:
             min_ngram = 1 if drafter is None else MIN_NGRAM_BEFORE_DRAFTER
         self.index = NgramIndex(max_ngram, min_ngram)
+        self.speculation = speculation
+        if speculation is not None and drafter is not None:
+            drafter.rule = speculation  # type: ignore[attr-defined]
+        self._before = 0  # the target's verified length when the cycle was proposed
+        self._proposed = 0
+        self._drafted = False  # whether the drafter drafted this cycle
+        self._pending: list[torch.Tensor] = []  # hidden states verified since the drafter last heard
+        self._pending_verified = 0
 
     def state_name(self) -> str | None:
         """The drafter's (see :class:`~moaspec.decoding.proposer.Resumable`): lookup's own index is rebuilt cheaply."""
@@ -119,19 +133,58 @@ class LookupProposer:
             self.drafter.begin(target_cache, hidden)
 
     def kept(self) -> torch.Tensor | None:
-        return self.drafter.kept() if isinstance(self.drafter, Resumable) else None
+        if not isinstance(self.drafter, Resumable):
+            return None
+        self._tell_drafter()
+        return self.drafter.kept()
+
+    def _copy(self, copied: list[int], sampling: SamplingParams) -> Proposal:
+        draft = torch.tensor(copied, dtype=torch.long, device=self.cache.keys.device if self.cache else None)
+        if sampling.greedy:
+            return Proposal(draft, None)
+        return Proposal(draft, torch.nn.functional.one_hot(draft, self.vocab_size).float())
 
     def propose(self, tokens: Sequence[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
+        if self.speculation is not None:
+            return self._propose_by_cost(tokens, n, sampling, generator)
         copied = self.index.continuation(tokens, n) if n > 0 else []
         if copied:
-            draft = torch.tensor(copied, dtype=torch.long, device=self.cache.keys.device if self.cache else None)
-            if sampling.greedy:
-                return Proposal(draft, None)
-            return Proposal(draft, torch.nn.functional.one_hot(draft, self.vocab_size).float())
+            return self._copy(copied, sampling)
         if self.drafter is not None:
             return self.drafter.propose(tokens, min(n, self.drafter_len), sampling, generator)
         return Proposal(torch.zeros(0, dtype=torch.long), None)
+
+    def _propose_by_cost(self, tokens: Sequence[int], n: int, sampling: SamplingParams,
+                         generator: torch.Generator | None) -> Proposal:
+        assert self.speculation is not None and self.cache is not None, "call begin() first"
+        # by cost, lookup's cap is the one trees graft (the loop's ``n`` is the longest chain either may draft)
+        copied = self.index.continuation(tokens, min(n, MAX_NEW - 1, self.tree_lookup)) if n and self.tree_lookup else []
+        most = min(n, self.drafter_len) if self.drafter is not None else 0
+        kind, count = self.speculation.plan(len(copied), most)
+        self._before, self._drafted = self.cache.length, kind == "drafter"
+        if kind == "lookup":
+            proposal = self._copy(copied[:count], sampling)
+        elif kind == "drafter":
+            assert self.drafter is not None
+            self._tell_drafter()
+            proposal = self.drafter.propose(tokens, most, sampling, generator)
+        else:
+            proposal = Proposal(torch.zeros(0, dtype=torch.long), None)
+        self._proposed = len(proposal.tokens)
+        return proposal
+
+    def timed(self, new: int, seconds: float) -> None:
+        """The verification of the cycle's proposal (``new`` new tokens) took ``seconds`` (see
+        :class:`~moaspec.decoding.proposer.Timed`)."""
+        if self.speculation is not None:
+            self.speculation.timed(new, seconds)
+
+    def _tell_drafter(self) -> None:
+        """Hand the drafter what was verified while it was left alone."""
+        if self._pending and self.drafter is not None:
+            self.drafter.commit(self._pending_verified, None, torch.cat(self._pending))
+        self._pending = []
 
     def propose_tree(self, tokens: Sequence[int], shape: TreeShape) -> DraftTree:
         """The drafter's tree with the lookup drafts grafted below its root, as far as the cache has room."""
@@ -142,5 +195,11 @@ class LookupProposer:
         return tree.graft(self.index.continuation(tokens, min(self.tree_lookup, room)) if room > 0 else [])
 
     def commit(self, verified: int, path: Sequence[int] | None = None, hidden: torch.Tensor | None = None) -> None:
+        if self.speculation is not None and path is None:
+            self.speculation.outcome(self._proposed, verified - self._before - 1)
+            if not self._drafted and self.drafter is not None and hidden is not None:
+                self._pending.append(hidden)  # told when the drafter next drafts (a drafted chain's rollback cannot wait)
+                self._pending_verified = verified
+                return
         if self.drafter is not None:
             self.drafter.commit(verified, path, hidden)

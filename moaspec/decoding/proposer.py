@@ -68,6 +68,15 @@ class Resumable(Protocol):
         """Its state of the first verified positions, one row each, to store when the generation ends."""
 
 
+@runtime_checkable
+class Timed(Protocol):
+    """A proposer that decides by what verification costs (:mod:`moaspec.decoding.policy`): the loop tells it how
+    long each verification of its proposal took."""
+
+    def timed(self, new: int, seconds: float) -> None:
+        """The target's forward over ``new`` new tokens, and the verification after it, took ``seconds``."""
+
+
 def check_confidence(p: float) -> float:
     """A draft confidence is a probability below 1 (a chain always keeps its first draft); 0 turns it off."""
     if not 0 <= p < 1:

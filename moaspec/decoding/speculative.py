@@ -30,7 +30,7 @@ from moaspec.decoding.generation import (
 )
 from moaspec.decoding.opening import open_generation
 from moaspec.decoding.prefill import Prefill
-from moaspec.decoding.proposer import Proposer, Resumable
+from moaspec.decoding.proposer import Proposer, Resumable, Timed
 from moaspec.decoding.sampling import (
     SamplingParams,
     adjust,
@@ -152,6 +152,7 @@ def generate_chain(
     run = start(model, tokenizer, proposer, prompt_ids, config, draft_len + 1, on_text, on_piece, prefill, on_logprobs)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
     context = model.cfg.max_position_embeddings
+    timed = proposer.timed if isinstance(proposer, Timed) else None
     while not run.sink.done:
         # never draft past the context window or far past the token budget
         n = max(0, min(draft_len, context - len(tokens) - 1, run.budget - len(run.sink.tokens)))
@@ -159,12 +160,15 @@ def generate_chain(
             proposal = proposer.propose(tokens, n, params, gen)
         n_cached = cache.length
         chain = torch.tensor([tokens[-1]] + proposal.tokens.tolist(), device=model.device)
+        t = time.perf_counter()
         out = model(chain[None], cache)
         logits = run.adjusted(out.logits[0], chain)
         if params.greedy:
             verdict = verify_greedy(proposal.tokens, logits)
         else:
             verdict = verify_sampling(proposal.tokens, proposal.probs, probabilities(logits, params), gen)
+        if timed is not None:  # timed after the verdict, which waits for the forward on any device
+            timed(len(chain), time.perf_counter() - t)
         new = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
         run.count(new)
         cache.truncate(n_cached + 1 + verdict.accepted)

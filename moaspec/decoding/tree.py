@@ -13,6 +13,7 @@ Greedy output equals the target's greedy output; with sampling, tree verificatio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from moaspec.decoding.generation import GenerationConfig, GenerationResult, LogprobCallback, PieceCallback, TextCallback
+from moaspec.decoding.policy import Speculation
 from moaspec.decoding.prefill import Prefill
 from moaspec.decoding.sampling import probabilities
 from moaspec.decoding.speculative import start
@@ -118,23 +120,44 @@ def generate_tree(
     on_piece: PieceCallback | None = None,
     prefill: Prefill = Prefill(),
     on_logprobs: LogprobCallback | None = None,
+    speculation: Speculation | None = None,
 ) -> GenerationResult:
-    """Decode with one draft tree per target forward (callbacks as :func:`generate_chain`'s)."""
+    """Decode with one draft tree per target forward (callbacks as :func:`generate_chain`'s).
+
+    With a ``speculation`` (:mod:`moaspec.decoding.policy`) a cycle whose tree is not expected to beat a plain
+    step takes a plain step instead, and leaves the drafter alone: what such steps verify reaches it in one
+    piece before its next tree.
+    """
     # room for the verified tree, and for the expanded nodes a drafter with TLI writes into the cache
     room = max(shape.total, 1 + shape.depth * shape.top_k) + 1
     run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece, prefill, on_logprobs)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
+    pending: list[torch.Tensor] = []  # hidden states of plain steps the drafter has not been told of
     while not run.sink.done:
         n = cache.length
         fits = cache.capacity - n  # the tree must fit the cache (and the context window)
-        with run.drafting():
-            tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, max(1, min(shape.total, fits))))
+        nodes = max(1, min(shape.total, fits))
+        drafted = speculation is None or speculation.plan_tree(nodes)
+        t = time.perf_counter()
+        if drafted:
+            with run.drafting():
+                if pending:
+                    proposer.commit(n, None, torch.cat(pending))
+                    pending = []
+                tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, nodes))
+        else:
+            tree = DraftTree(torch.tensor([tokens[-1]]), [-1], torch.zeros(1, dtype=torch.long))
+        draft_s, t = time.perf_counter() - t, time.perf_counter()
         ancestors = tree.ancestors().to(model.device)
         out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device),
                     mask=tree_mask(n, ancestors))
         logits = run.adjusted(out.logits[0], tree.tokens, ancestors)
         scores = logits if params.greedy else probabilities(logits, params)
         path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
+        if speculation is not None:
+            speculation.timed(len(tree.parents), time.perf_counter() - t)
+            if drafted:
+                speculation.tree_outcome(len(path) + 1, draft_s)
         kept = torch.tensor([0] + path, device=out.logits.device)  # the root and the path: each scores the next token
         cache.compact(n, kept)
         run.verified(out.hidden[0, kept])
@@ -143,6 +166,11 @@ def generate_tree(
         tokens += new
         run.accepted.append(len(new))
         if not run.sink.push(new, drafted=len(path), scores=out.logits[0, kept]):
+            if not drafted:
+                pending.append(out.hidden[0, kept])
+                continue
             with run.drafting():
                 proposer.commit(cache.length, path, out.hidden[0, kept])
+    if pending and prefill.reuse is not None:  # a prompt cache keeps the drafter's state: bring it up to date
+        proposer.commit(cache.length, None, torch.cat(pending))
     return run.result()

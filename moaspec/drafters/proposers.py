@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from moaspec.decoding.policy import Speculation
 from moaspec.decoding.proposer import Proposal, check_confidence
 from moaspec.decoding.sampling import SamplingParams, sample, warp_logits
 from moaspec.decoding.tree import DraftTree, TreeShape
@@ -40,6 +41,9 @@ class DrafterProposer:
 
     drafter: Drafter
     confidence: float = 0.0
+    # cost-aware chains (:class:`~moaspec.decoding.policy.Speculation`): asked after each draft whether to keep it,
+    # and before each further draft whether to draft it; None drafts the chain asked for
+    rule: Speculation | None = None
 
     def __init__(self) -> None:
         self.cache: KVCache | None = None  # the target's
@@ -115,27 +119,32 @@ class DrafterProposer:
         logits, feat = self._continue(tokens)
         drafts: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []
+        rule = self.rule
         for i in range(n):
             if sampling.greedy:
                 best = logits[-1].argmax()
-                if i and self.confidence and float(logits[-1].float().softmax(-1)[best]) < self.confidence:
-                    self._fed_last = (self._own_length(), logits, feat)
-                    break
-                tok = d.to_target_ids(best)
+                probs = None
             else:
                 probs = self._full_vocab(warp_logits(logits[-1], sampling).softmax(-1))
+            if (i and self.confidence) or rule is not None:
                 # decided before the draw, on the likeliest token as when greedy: a cut that depended on the
                 # token drawn would send the kept drafts from another distribution than ``probs``, the one
                 # verification divides by, and the output would no longer follow the target's
-                if i and self.confidence and float(probs.max()) < self.confidence:
+                p = float(logits[-1].float().softmax(-1)[best]) if probs is None else float(probs.max())
+                if (i and p < self.confidence) or (rule is not None and not rule.keep(i, p)):
                     self._fed_last = (self._own_length(), logits, feat)
                     break
+            if probs is None:
+                tok = d.to_target_ids(best)
+            else:
                 tok = sample(probs, generator)
                 dists.append(probs)
             drafts.append(tok.reshape(1))
-            if i + 1 < n:
+            if i + 1 < n and (rule is None or rule.more(i + 1)):
                 pos = torch.tensor([verified + 1 + i], device=self.device)
                 logits, feat = self._feed(tok.reshape(1, 1), pos, None, feat, 1)
+            else:
+                break
         return Proposal(torch.cat(drafts) if drafts else torch.zeros(0, dtype=torch.long), torch.stack(dists) if dists else None)
 
     def propose_tree(self, tokens: Sequence[int], shape: TreeShape) -> DraftTree:
