@@ -16,6 +16,7 @@ import torch
 
 from moaspec.decoding import GenerationConfig, SamplingParams
 from moaspec.decoding.lookup import LookupProposer
+from moaspec.decoding.policy import MAX_NEW, Costs, Policy
 from moaspec.decoding.sampling import probabilities
 from moaspec.decoding.speculative import generate_chain
 from moaspec.decoding.tree import TreeShape, generate_tree
@@ -85,6 +86,8 @@ CASES = [(m, p) for m in ("chain", "tree", "eagle-tree", "independent-chain") fo
 CASES += [("lookup-chain", PLAIN), ("moa-lookup-chain", WARPED), ("moa-lookup-tree", PLAIN)]
 # chains cut where the drafter is unsure: the cut depends on the drafter's own draws alone
 CASES += [("confident-chain", WARPED)]
+# decided by cost: lookup's copy, the drafter's chain kept as far as its probabilities say it pays, or a plain step
+CASES += [("by-cost-chain", PLAIN)]
 # presence and frequency penalties: each verified row penalised by the drafts before it on its path
 CASES += [("chain", PENALISED), ("tree", PENALISED)]
 NAMES = {id(PLAIN): "plain", id(WARPED): "warped", id(PENALISED): "penalised"}
@@ -107,6 +110,12 @@ def test_first_speculative_tokens_follow_the_target(small_vocab, method: str, pa
         elif method in ("lookup-chain", "moa-lookup-chain"):  # lookup drafts are point masses, mixed with the drafter's
             drafter = proposers["moa"]() if method == "moa-lookup-chain" else None
             r = generate_chain(model, tok, LookupProposer(V, drafter, drafter_len=2), PROMPT, cfg, draft_len=3)
+        elif method == "by-cost-chain":
+            # verification dear enough that the drafter's unsure drafts are dropped and its sure ones kept
+            costs = Costs([1.0 + 0.25 * k for k in range(MAX_NEW)], 0.05, 0.05)
+            proposer = LookupProposer(V, proposers["moa"](), drafter_len=3, tree_lookup=3,
+                                      speculation=Policy(costs).request(drafter=True))
+            r = generate_chain(model, tok, proposer, PROMPT, cfg, draft_len=3)
         elif method == "confident-chain":
             proposer = proposers["moa"]()
             proposer.confidence = 0.35

@@ -1,4 +1,4 @@
-"""``moaspec tune``: the fastest setting measured here is saved, and decoding uses it only where nothing was asked for."""
+"""``moaspec tune`` and the costs the cost-aware policy keeps per host: measured once, saved, read back, refreshed."""
 
 from __future__ import annotations
 
@@ -9,28 +9,17 @@ from pathlib import Path
 import pytest
 
 from moaspec.api import decoding_strategy
-from moaspec.bench.tune import GPU_TREES, PROMPTS, grid
-from moaspec.decoding.tree import TreeShape
+from moaspec.bench.tune import PROMPTS
+from moaspec.costs import FORMAT, costs_file, load_costs, machine_key, save_costs
+from moaspec.decoding.policy import MAX_NEW, Costs
 from moaspec.errors import MoaspecError
 from moaspec.specbench import load_questions
-from moaspec.tuned import PLAIN, Decoding, load_tuned, machine_key, save_tuned, tuned_file
 
 
 @pytest.fixture()
 def tuned_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MOASPEC_TUNED", str(tmp_path / "tuned"))
     return tmp_path / "tuned"
-
-
-def test_the_grid_covers_chains_trees_and_lookup_and_grows_on_a_gpu() -> None:
-    cpu, gpu = grid("cpu"), grid("cuda")
-    names = [d.name() for d in cpu]
-    assert len(set(names)) == len(names)
-    assert {"chain-1", "chain-4", "tree-2x2-4", "lookup-10+chain-2", "lookup-10+tree-3x3-10"} <= set(names)
-    assert Decoding() in cpu  # the built-in default competes
-    assert all(Decoding(tree=t, lookup=0) in gpu and Decoding(tree=t, lookup=0) not in cpu for t in GPU_TREES)
-    assert all(d.lookup == 0 for d in grid("cpu", lookup=0))
-    assert "lookup-4+chain-2" in names and not any(d.lookup == 4 for d in gpu)  # a CPU verifies many tokens dearly
 
 
 def test_the_built_in_prompts_are_varied_and_fit_the_default_model() -> None:
@@ -40,48 +29,56 @@ def test_the_built_in_prompts_are_varied_and_fit_the_default_model() -> None:
     assert kinds == {"writing", "code", "math", "summary", "qa", "advice"}
 
 
-def test_a_saved_setting_applies_only_where_no_decoding_was_asked_for(tiny_llama, tiny_moa_dir, tuned_dir) -> None:  # type: ignore[no-untyped-def]
-    assert decoding_strategy(tiny_llama, tiny_moa_dir).tuned_from is None  # nothing saved yet: the built-in default
+def test_costs_are_measured_at_first_use_kept_and_read_back_for_the_same_setting_only(  # type: ignore[no-untyped-def]
+        tiny_llama, tiny_moa_dir, tuned_dir) -> None:
+    from moaspec import costs as costs_module
+
+    costs_module._policies.clear()
     strategy = decoding_strategy(tiny_llama, tiny_moa_dir)
-    best = Decoding(tree=TreeShape(3, 2, 6), lookup=0)
-    saved = save_tuned(machine_key(tiny_llama, tiny_moa_dir, strategy.drafter), best, {})
-    assert saved.parent == tuned_dir
-    tuned = decoding_strategy(tiny_llama, tiny_moa_dir)
-    assert (tuned.tree, tuned.lookup, tuned.tuned_from) == (TreeShape(3, 2, 6), 0, str(saved))
-    for asked in ({"chain": 2}, {"lookup": 10}, {"confidence": 0.0}, {"tree": TreeShape()}, {"tuned": False}):
-        assert decoding_strategy(tiny_llama, tiny_moa_dir, **asked).tuned_from is None, asked
-    save_tuned(machine_key(tiny_llama, tiny_moa_dir, strategy.drafter), PLAIN, {})  # where nothing that drafts was faster
-    plain = decoding_strategy(tiny_llama, tiny_moa_dir)
-    assert (plain.describe(), plain.tuned_from) == ("vanilla", str(saved))
-    assert Decoding.from_json({"chain": 2, "tree": None, "lookup": 10}).drafts  # saved before plain decoding could win
-    assert decoding_strategy(tiny_llama, None).describe() == "vanilla"  # no drafter: nothing to tune
-    weights = tiny_moa_dir / "model.safetensors"  # a new drafter file: the measurement no longer holds
+    assert strategy.policy is not None and "by-cost" in strategy.describe()
+    key = machine_key(tiny_llama, tiny_moa_dir, strategy.drafter)
+    saved = costs_file(key)
+    assert saved.parent == tuned_dir and strategy.policy.source == str(saved)
+    record = json.loads(saved.read_text())
+    assert record["format"] == FORMAT and len(record["target_s"]) == MAX_NEW and min(record["target_s"]) > 0
+    assert decoding_strategy(tiny_llama, tiny_moa_dir).policy is strategy.policy  # one per setting and process
+    costs_module._policies.clear()
+    mine = Costs([0.001 * (k + 1) for k in range(MAX_NEW)], 0.0005, 0.0002)
+    save_costs(key, mine, "by hand")
+    assert decoding_strategy(tiny_llama, tiny_moa_dir).policy.costs.target == pytest.approx(mine.target)  # read back
+    for asked in ({"chain": 2}, {"lookup": 10}, {"by_cost": False}):
+        assert decoding_strategy(tiny_llama, tiny_moa_dir, **asked).policy is None, asked  # a fixed decoding was asked for
+    assert decoding_strategy(tiny_llama, None).policy is None  # no drafter: plain decoding, nothing to decide
+    weights = tiny_moa_dir / "model.safetensors"  # a new drafter file: the costs no longer hold
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     try:
-        assert decoding_strategy(tiny_llama, tiny_moa_dir).tuned_from is None
+        assert load_costs(machine_key(tiny_llama, tiny_moa_dir, strategy.drafter)) is None
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        costs_module._policies.clear()
 
 
-def test_an_unreadable_saved_setting_is_a_clear_error(tiny_llama, tiny_moa_dir, tuned_dir) -> None:  # type: ignore[no-untyped-def]
-    key = machine_key(tiny_llama, tiny_moa_dir, decoding_strategy(tiny_llama, tiny_moa_dir).drafter)
-    path = tuned_file(key)
+def test_unreadable_saved_costs_are_a_clear_error(tiny_llama, tiny_moa_dir, tuned_dir) -> None:  # type: ignore[no-untyped-def]
+    key = machine_key(tiny_llama, tiny_moa_dir)
+    path = costs_file(key)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    with pytest.raises(MoaspecError, match="cannot read the tuned decoding settings .*run `moaspec tune` again"):
-        load_tuned(key)
-    path.write_text(json.dumps({"format": "moaspec-tuned", "key": key, "decoding": {"chain": 0, "tree": None, "lookup": 1}}))
-    with pytest.raises(MoaspecError, match="not a tuned decoding setting"):
-        load_tuned(key)
-    path.write_text(json.dumps({"format": "moaspec-tuned", "key": {**key, "threads": 99}, "decoding": {}}))
-    assert load_tuned(key) is None  # written for another setting (by hand): ignored
+    with pytest.raises(MoaspecError, match="cannot read the measured decoding costs .*run `moaspec tune` again"):
+        load_costs(key)
+    path.write_text(json.dumps({"format": FORMAT, "key": key, "target_s": "x"}))
+    with pytest.raises(MoaspecError, match="not a file of decoding costs"):
+        load_costs(key)
+    path.write_text(json.dumps({"format": FORMAT, "key": {**key, "threads": 99}, "target_s": []}))
+    assert load_costs(key) is None  # written for another setting (by hand): ignored
 
 
-def test_tune_saves_the_fastest_setting_and_generate_then_decodes_with_it(tiny_dirs, tiny_moa_dir, tuned_dir, tmp_path,  # type: ignore[no-untyped-def]
-                                                                          capsys) -> None:
+def test_tune_measures_decodes_by_cost_beside_plain_and_saves_the_costs(tiny_dirs, tiny_moa_dir, tuned_dir, tmp_path,  # type: ignore[no-untyped-def]
+                                                                        capsys) -> None:
+    from moaspec import costs as costs_module
     from moaspec.cli import main
 
+    costs_module._policies.clear()
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n"
                          for i, t in enumerate(["the cat sat on the mat", "one two three four"])))
@@ -90,27 +87,23 @@ def test_tune_saves_the_fastest_setting_and_generate_then_decodes_with_it(tiny_d
                  "--output", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())["results"]
-    speeds = {name: r["overall"]["tokens_per_s"] for name, r in summary.items()}  # plain decoding may win too
-    fastest = max(speeds, key=speeds.__getitem__)
-    assert f"{fastest}" in out and "<- fastest" in out and "saved to" in out
-    assert all(r["overall"]["greedy_mismatches"] == 0 for r in summary.values())
-    [saved] = tuned_dir.glob("*.json")
-    record = json.loads(saved.read_text())
-    assert record["name"] == fastest and set(record["results"]) == set(summary)
+    assert set(summary) == {"vanilla", "by-cost"} and summary["by-cost"]["overall"]["greedy_mismatches"] == 0
+    assert "target forward, ms by new tokens" in out and "saved to" in out
+    [saved] = tuned_dir.glob("*.costs.json")
+    assert json.loads(saved.read_text())["how"] == "moaspec tune"
 
     def generate(*extra: str) -> dict:  # type: ignore[type-arg]
         assert main(["generate", "the cat sat", *model, "--json", "--max-new-tokens", "16", *extra]) == 0
         return json.loads(capsys.readouterr().out)
 
-    plain, tuned = generate("--no-draft"), generate()
-    assert tuned["tuned_from"] == str(saved) and tuned["text"] == plain["text"]
-    best = Decoding.from_json(record["decoding"])
-    assert tuned["decoding"].endswith(f"+lookup({best.lookup})") == bool(best.lookup)
-    for extra in (("--no-tuned",), ("--chain", "3"), ("--lookup", "0"), ("--tree",)):
-        assert generate(*extra)["tuned_from"] is None, extra
+    plain, by_cost = generate("--no-draft"), generate()
+    assert by_cost["costs_from"] == str(saved) and by_cost["text"] == plain["text"]
+    for extra in (("--policy", "fixed"), ("--chain", "3"), ("--tree",)):
+        assert generate(*extra)["costs_from"] is None, extra
     assert main(["tune", *model, "--questions", str(q), "--max-new-tokens", "4", "--no-progress", "--no-save",
                  "--output", str(tmp_path / "run2")]) == 0
-    assert "saved to" not in capsys.readouterr().out and len(list(tuned_dir.glob("*.json"))) == 1
+    assert "saved to" not in capsys.readouterr().out
+    costs_module._policies.clear()
 
 
 def test_tune_and_tree_options_refuse_what_cannot_work(tiny_dirs, tmp_path, tuned_dir, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -127,21 +120,3 @@ def test_tune_and_tree_options_refuse_what_cannot_work(tiny_dirs, tmp_path, tune
     assert main(["generate", "hi", *model, "--tree-depth", "3"]) == 2
     assert "add --tree" in capsys.readouterr().err
     assert not tuned_dir.exists()
-
-
-def test_serve_names_its_tuned_setting_or_how_to_measure_one(tiny_dirs, tiny_moa_dir, tiny_llama, tuned_dir,  # type: ignore[no-untyped-def]
-                                                             monkeypatch, capsys) -> None:
-    """A server's decoders each get a share of the cores, so a setting tuned on all of them does not apply: say so."""
-    import moaspec.serving
-    from moaspec.cli import main
-
-    monkeypatch.setattr(moaspec.serving, "run_server", lambda app, sock, **kw: sock.close())
-    serve = ["serve", "--model", str(tiny_dirs["llama"]), "--drafter", str(tiny_moa_dir), "--port", "0", "--threads", "2"]
-    assert main(serve) == 0
-    assert "the built-in default: `moaspec tune --threads 2`" in capsys.readouterr().err
-    assert main([*serve, "--chain", "3"]) == 0
-    assert "moaspec tune" not in capsys.readouterr().err  # the decoding was asked for: nothing to tune
-    strategy = decoding_strategy(tiny_llama, tiny_moa_dir)
-    saved = save_tuned(machine_key(tiny_llama, tiny_moa_dir, strategy.drafter), Decoding(chain=1, tree=None, lookup=0), {})
-    assert main(serve) == 0
-    assert f"tuned in {saved}" in capsys.readouterr().err

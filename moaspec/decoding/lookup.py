@@ -13,6 +13,7 @@ which keeps the target's distribution (see :func:`moaspec.decoding.verify.verify
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +49,7 @@ class NgramIndex:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._last: dict[tuple[int, ...], int] = {}  # n-gram → index of the token that followed it
         self._indexed = 0  # tokens[:_indexed] have had every n-gram ending before them recorded
+        self.matched = 0  # how many tokens the last match found covered (0: none)
 
     def update(self, tokens: Sequence[int]) -> None:
         """Index the n-grams followed by a token of ``tokens`` (which only ever grows)."""
@@ -76,10 +78,12 @@ class NgramIndex:
         """
         if len(tokens) < self._indexed:
             raise ValueError("the indexed sequence must be a prefix of the tokens looked up")
+        self.matched = 0
         for n in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             start = self._last.get(tuple(tokens[len(tokens) - n :]))
             if start is None:
                 continue
+            self.matched = n
             out: list[int] = []
             for i in range(start, start + count):
                 out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
@@ -99,7 +103,8 @@ class LookupProposer:
     With a ``speculation`` (:mod:`moaspec.decoding.policy`) each chain cycle is decided by cost: how many of
     lookup's copied tokens to verify, or whether the drafter drafts (and how far, as it goes), or neither.
     Cycles without the drafter then leave it alone: what they verified reaches it in one piece when it next
-    drafts, so a run of lookup or plain steps costs it nothing.
+    drafts, so a run of lookup or plain steps costs it nothing, and a request it never drafts for never pays
+    for its reading of the prompt.
     """
 
     def __init__(self, vocab_size: int, drafter: Proposer | None = None, drafter_len: int = 0, tree_lookup: int = 0,
@@ -120,6 +125,7 @@ class LookupProposer:
         self._drafted = False  # whether the drafter drafted this cycle
         self._pending: list[torch.Tensor] = []  # hidden states verified since the drafter last heard
         self._pending_verified = 0
+        self._begun = True  # whether the drafter has read the prompt (by cost, it waits for its first draft)
 
     def state_name(self) -> str | None:
         """The drafter's (see :class:`~moaspec.decoding.proposer.Resumable`): lookup's own index is rebuilt cheaply."""
@@ -127,8 +133,11 @@ class LookupProposer:
 
     def begin(self, target_cache: KVCache, hidden: torch.Tensor, known: torch.Tensor | None = None) -> None:
         self.cache = target_cache
+        self._pending, self._begun = [], True
         if isinstance(self.drafter, Resumable) and known is not None:
             self.drafter.begin(target_cache, hidden, known)
+        elif self.drafter is not None and self.speculation is not None:
+            self._pending, self._begun = [hidden], False
         elif self.drafter is not None:
             self.drafter.begin(target_cache, hidden)
 
@@ -161,7 +170,7 @@ class LookupProposer:
         # by cost, lookup's cap is the one trees graft (the loop's ``n`` is the longest chain either may draft)
         copied = self.index.continuation(tokens, min(n, MAX_NEW - 1, self.tree_lookup)) if n and self.tree_lookup else []
         most = min(n, self.drafter_len) if self.drafter is not None else 0
-        kind, count = self.speculation.plan(len(copied), most)
+        kind, count = self.speculation.plan(len(copied), most, self.index.matched)
         self._before, self._drafted = self.cache.length, kind == "drafter"
         if kind == "lookup":
             proposal = self._copy(copied[:count], sampling)
@@ -181,8 +190,14 @@ class LookupProposer:
             self.speculation.timed(new, seconds)
 
     def _tell_drafter(self) -> None:
-        """Hand the drafter what was verified while it was left alone."""
-        if self._pending and self.drafter is not None:
+        """Hand the drafter what was verified while it was left alone (the prompt too, if it has not read it yet)."""
+        if self.drafter is None or not self._pending:
+            return
+        if not self._begun:
+            assert self.cache is not None
+            self.drafter.begin(self.cache, torch.cat(self._pending))
+            self._begun = True
+        else:
             self.drafter.commit(self._pending_verified, None, torch.cat(self._pending))
         self._pending = []
 
@@ -202,4 +217,7 @@ class LookupProposer:
                 self._pending_verified = verified
                 return
         if self.drafter is not None:
+            t = time.perf_counter()
             self.drafter.commit(verified, path, hidden)
+            if self.speculation is not None:
+                self.speculation.read(time.perf_counter() - t)

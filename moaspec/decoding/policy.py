@@ -30,38 +30,72 @@ MAX_NEW = 16  # the most new tokens one verification takes under the policy (and
 MAX_CHAIN = 8  # the most drafter drafts per cycle: past it the drafter's acceptance has always fallen too far
 BINS = 10  # the drafter's probabilities are binned by tenths
 CAP = 24.0  # counts fade once a cell holds this many tries: about the last two dozen outcomes decide
+NGRAMS = 3  # lookup's acceptance is kept apart for copies that followed a match of 1, 2, and 3 or more tokens
+REQUEST_PRIOR = 4.0  # a request starts from what earlier ones saw, weighted as this many tries per cell
 EXPLORE_EVERY = 16  # cycles without the drafter before one draft is tried anyway, to see if its acceptance rose
 EMA = 0.2  # weight of a new timing in the moving averages
+OUTLIER = 2.0  # one timing moves an estimate at most as if it were this many times above or below it
 
 
-def best_extension(tokens: float, seconds: float, reach: float, accept: Sequence[float],
-                   extra: Sequence[float]) -> tuple[int, float]:
-    """How many more drafts (0..len(accept)) maximise a cycle's expected tokens per second, and that rate.
+def extend(tokens: float, seconds: float, reach: float, accept: Sequence[float],
+           extra: Sequence[float]) -> tuple[int, float, float]:
+    """How many more drafts (0..len(accept)) maximise a cycle's expected tokens per second, and the cycle's expected
+    tokens and seconds with them.
 
     The cycle so far expects ``tokens`` new tokens in ``seconds``; ``reach`` is the chance that every draft
     it holds is accepted (so that the next one counts at all); ``accept[j]`` is the chance that the
     ``j+1``-th further draft is accepted given all before it were; ``extra[j]`` is what ``j+1`` further
     drafts add to the cycle's seconds (drafting them and verifying them). Ties go to fewer drafts.
     """
-    best, rate = 0, tokens / seconds
+    best, best_tokens, best_seconds = 0, tokens, seconds
     for j, (a, more) in enumerate(zip(accept, extra)):
         reach *= a
         tokens += reach
-        r = tokens / (seconds + more)
-        if r > rate * (1 + 1e-9):
-            best, rate = j + 1, r
-    return best, rate
+        if tokens / (seconds + more) > best_tokens / best_seconds * (1 + 1e-9):
+            best, best_tokens, best_seconds = j + 1, tokens, seconds + more
+    return best, best_tokens, best_seconds
+
+
+def best_extension(tokens: float, seconds: float, reach: float, accept: Sequence[float],
+                   extra: Sequence[float]) -> tuple[int, float]:
+    """:func:`extend`'s choice and the cycle's expected tokens per second with it."""
+    n, tokens, seconds = extend(tokens, seconds, reach, accept, extra)
+    return n, tokens / seconds
+
+
+def drafter_rate(base: float, draft_first: float, draft_next: float, verify_extra: Sequence[float],
+                 first: Sequence[float], accept_first: Sequence[float], accept_after: Sequence[float]) -> tuple[int, float]:
+    """Expected tokens per second of a cycle that lets the drafter draft, and the longest chain worth drafting.
+
+    Whether the first draft pays depends on how sure the drafter turns out to be: ``first[b]`` is the share of
+    first drafts whose likeliest token falls in probability bin ``b``, ``accept_first[b]`` their acceptance.
+    Once the drafter has said how sure it is, the cycle keeps the chain that pays for that bin, or none (then
+    the cycle is a plain step that paid ``draft_first`` for nothing). ``accept_after[j]`` is the acceptance of
+    the ``j+2``-th draft, ``draft_next`` the drafting of each after the first, ``verify_extra[j]`` what
+    verifying ``j+1`` drafts adds to the plain step's ``base`` seconds.
+    """
+    extra = [v + draft_next * j for j, v in enumerate(verify_extra)]
+    tokens = seconds = 0.0
+    longest = 0
+    for share, a in zip(first, accept_first):
+        if share > 0:
+            n, t, s = extend(1.0, base + draft_first, 1.0, [a, *accept_after], extra)
+            tokens, seconds, longest = tokens + share * t, seconds + share * s, max(longest, n)
+    return longest, tokens / seconds if seconds else 0.0
 
 
 @dataclass
 class Costs:
     """Seconds a cycle's parts take on this host: ``target[k-1]`` a target forward with ``k`` new tokens;
-    ``draft_first`` the drafter's first draft of a cycle (its catching up on verified tokens included);
+    ``draft_first`` the drafter's first draft of a cycle (its reading of the tokens verified since included);
     ``draft_next`` each further draft.
 
     Timings taken while decoding refresh them in two ways: a common ``scale`` follows the whole table (a
     busier host, a longer context, a batch shared with other requests make every size dearer at once), and
     the entry of the size timed follows its own shape. So a size seldom timed still moves with the rest.
+    Each timing counts as at most :data:`OUTLIER` times the estimate, above or below: a process paused or
+    preempted for a moment must not make speculation look ruinous for the rest of the run (a host that really
+    slows down moves the estimates all the same, over a few cycles).
     """
 
     target: list[float]
@@ -86,20 +120,25 @@ class Costs:
         if not 1 <= new <= len(self.target) or seconds <= 0:
             return
         base = self.target[new - 1]
+        seconds = _bounded(seconds, self.scale * base)
         self.scale += EMA * (seconds / base - self.scale)
-        self.target[new - 1] = base + EMA / 4 * (seconds / self.scale - base)
+        self.target[new - 1] = base + EMA / 4 * (_bounded(seconds / self.scale, base) - base)
 
     def timed_draft(self, first: bool, seconds: float) -> None:
         """The drafter's first draft of a cycle (``first``), or a further one, took ``seconds``."""
         if seconds <= 0:
             return
         if first:
-            self.draft_first += EMA * (seconds - self.draft_first)
+            self.draft_first += EMA * (_bounded(seconds, self.draft_first) - self.draft_first)
         else:
-            self.draft_next += EMA * (seconds - self.draft_next)
+            self.draft_next += EMA * (_bounded(seconds, self.draft_next) - self.draft_next)
 
     def copy(self) -> Costs:
         return Costs(list(self.target), self.draft_first, self.draft_next, self.scale)
+
+
+def _bounded(seconds: float, estimate: float) -> float:
+    return min(max(seconds, estimate / OUTLIER), estimate * OUTLIER)
 
 
 def default_draft_costs(step_s: float) -> tuple[float, float]:
@@ -127,6 +166,10 @@ class Rate:
             self.tries = CAP
 
 
+def _bin(probability: float) -> int:
+    return min(BINS - 1, max(0, int(probability * BINS)))
+
+
 def _prior(p: float, weight: float) -> Rate:
     return Rate(p * weight, weight)
 
@@ -135,32 +178,45 @@ def _prior(p: float, weight: float) -> Rate:
 class Acceptance:
     """Chances of acceptance, each given that every draft before it in the cycle was accepted.
 
-    ``lookup[i]``: the ``i+1``-th token of a prompt-lookup copy. ``by_probability[b]``: a drafter draft whose
+    ``lookup[m][i]``: the ``i+1``-th token of a prompt-lookup copy that followed a match of ``m+1`` tokens
+    (the last row: that many or more; a longer match is a surer copy). ``by_probability[b]``: a drafter draft whose
     likeliest token had probability in tenth ``b`` (the shipped drafter's probability is close to this
     chance, so that is the prior). ``by_depth[i]``: the drafter's ``i+1``-th draft, for planning before the
     drafter has said anything.
     """
 
-    lookup: list[Rate] = field(default_factory=lambda: [_prior(0.6 if i == 0 else 0.75, 2.0) for i in range(MAX_NEW)])
+    lookup: list[list[Rate]] = field(default_factory=lambda: [
+        [_prior(0.6 if i == 0 else 0.75, 2.0) for i in range(MAX_NEW)] for _ in range(NGRAMS)])
     by_probability: list[Rate] = field(default_factory=lambda: [_prior((b + 0.5) / BINS, 4.0) for b in range(BINS)])
     by_depth: list[Rate] = field(default_factory=lambda: [_prior(0.45 if i == 0 else 0.6, 2.0) for i in range(MAX_CHAIN)])
+    first: list[float] = field(default_factory=lambda: [1.0 / BINS] * BINS)  # shares of first drafts by probability bin
 
-    def copy(self) -> Acceptance:
-        def rates(cells: list[Rate]) -> list[Rate]:
-            return [Rate(c.hits, c.tries) for c in cells]
+    def cells(self) -> list[Rate]:
+        return [r for row in self.lookup for r in row] + self.by_probability + self.by_depth
 
-        return Acceptance(rates(self.lookup), rates(self.by_probability), rates(self.by_depth))
+    def copy(self, weight: float | None = None) -> Acceptance:
+        """A copy whose cells count as at most ``weight`` tries each (their rates unchanged): a request's own
+        outcomes soon outweigh what the requests before it saw."""
+        def rate(c: Rate) -> Rate:
+            scale = 1.0 if weight is None or c.tries <= weight else weight / c.tries
+            return Rate(c.hits * scale, c.tries * scale)
+
+        return Acceptance([[rate(c) for c in row] for row in self.lookup], [rate(c) for c in self.by_probability],
+                          [rate(c) for c in self.by_depth], list(self.first))
 
     def blend(self, other: Acceptance, weight: float = 0.5) -> None:
         """Move toward ``other`` (a finished request's), so that the next request starts from what was seen."""
-        for mine, theirs in ((self.lookup, other.lookup), (self.by_probability, other.by_probability),
-                             (self.by_depth, other.by_depth)):
-            for m, t in zip(mine, theirs):
-                m.hits += weight * (t.hits - m.hits)
-                m.tries += weight * (t.tries - m.tries)
+        for m, t in zip(self.cells(), other.cells()):
+            m.hits += weight * (t.hits - m.hits)
+            m.tries += weight * (t.tries - m.tries)
+        self.first = [m + weight * (t - m) for m, t in zip(self.first, other.first)]
 
     def drafted(self, probability: float) -> float:
-        return self.by_probability[min(BINS - 1, int(probability * BINS))].p
+        return self.by_probability[_bin(probability)].p
+
+    def first_draft(self, probability: float) -> None:
+        """A cycle's first draft had its likeliest token at ``probability`` (shares fade as counts do)."""
+        self.first = [share * (1 - 1 / CAP) + (b == _bin(probability)) / CAP for b, share in enumerate(self.first)]
 
     @staticmethod
     def record(cells: Sequence[Rate], proposed: int, accepted: int) -> None:
@@ -189,29 +245,34 @@ class Speculation:
         self._tokens = self._seconds = self._reach = 0.0
         self._probabilities: list[float] = []
         self._started = 0.0
+        self._read_prompt = False  # the drafter's first draft of a request reads the whole prompt: not a cycle's cost
+        self._read_s = 0.0  # the drafter's reading of the last drafted cycle's verified states: part of its next draft
         self._kind = "plain"
         self._proposed = 0
+        self._row = 0  # the lookup row of the cycle's copy
+        self.cycles = {"plain": 0, "lookup": 0, "drafter": 0, "tree": 0}  # what each cycle chose, for reports
         self.tree_tokens: float | None = None  # a tree cycle's tokens and drafting seconds in this request (averages)
         self.tree_draft_s = 0.0
 
     # --- the start of a cycle -----------------------------------------------------------
 
     def _drafter_prospect(self, most: int) -> tuple[int, float]:
-        c = self.costs
+        c, a = self.costs, self.acceptance
         base = c.verify_s(1)
-        accept = [r.p for r in self.acceptance.by_depth[:most]]
-        extra = [c.draft_first + c.draft_next * j + c.verify_s(j + 2) - base for j in range(len(accept))]
-        return best_extension(1.0, base, 1.0, accept, extra)
+        return drafter_rate(base, c.draft_first, c.draft_next, [c.verify_s(j + 2) - base for j in range(most)],
+                            a.first, [r.p for r in a.by_probability], [r.p for r in a.by_depth[1:most]])
 
-    def plan(self, copied: int, drafter_most: int) -> tuple[str, int]:
-        """At a cycle's start, with ``copied`` lookup tokens at hand and room for ``drafter_most`` drafter drafts:
+    def plan(self, copied: int, drafter_most: int, matched: int = 1) -> tuple[str, int]:
+        """At a cycle's start, with ``copied`` lookup tokens at hand (after a match of ``matched`` tokens) and room
+        for ``drafter_most`` drafter drafts:
         ("lookup", l) to verify the first ``l`` copied tokens, ("drafter", m) to let the drafter draft (``m``
         is the chain expected to pay; :meth:`keep` and :meth:`more` decide as it goes), or ("plain", 0)."""
         c = self.costs
         base = c.verify_s(1)
         options = [("plain", 0, 1.0 / base)]
         if copied:
-            accept = [r.p for r in self.acceptance.lookup[:copied]]
+            self._row = min(matched, NGRAMS) - 1
+            accept = [r.p for r in self.acceptance.lookup[self._row][:copied]]
             n, rate = best_extension(1.0, base, 1.0, accept, [c.verify_s(j + 2) - base for j in range(len(accept))])
             if n:
                 options.append(("lookup", n, rate))
@@ -219,9 +280,10 @@ class Speculation:
             m, rate = self._drafter_prospect(min(drafter_most, MAX_CHAIN))
             if m:
                 options.append(("drafter", m, rate))
-            elif self.idle >= EXPLORE_EVERY and not copied:
-                options.append(("drafter", 1, float("inf")))  # worth a look now and then: acceptance moves
         kind, n, _ = max(options, key=lambda o: o[2])
+        if kind == "plain" and self.idle >= EXPLORE_EVERY and self.has_drafter and drafter_most:
+            kind, n = "drafter", max(1, m)  # worth a look now and then: its acceptance moves
+        self.cycles[kind] += 1
         self._kind, self._proposed = kind, n if kind == "lookup" else 0
         self.idle = 0 if kind == "drafter" else self.idle + 1
         if kind == "drafter":
@@ -235,8 +297,11 @@ class Speculation:
     def keep(self, index: int, probability: float) -> bool:
         """The drafter's draft ``index`` (0-based) has its likeliest token at ``probability``: keep it if verifying
         it raises the cycle's expected rate (its drafting is paid already)."""
-        now = time.perf_counter()
-        self.costs.timed_draft(index == 0, now - self._started)
+        if self._read_prompt or index:
+            self.costs.timed_draft(index == 0, time.perf_counter() - self._started + (0.0 if index else self._read_s))
+        self._read_prompt, self._read_s = True, 0.0
+        if index == 0:
+            self.acceptance.first_draft(probability)
         c = self.costs
         self._seconds += c.draft_first if index == 0 else c.draft_next
         n = len(self._probabilities)
@@ -278,6 +343,7 @@ class Speculation:
         go = (self.tree_tokens / (self.tree_draft_s + c.verify_s(nodes)) > 1.0 / c.verify_s(1)
               or self.idle >= EXPLORE_EVERY)
         self.idle = 0 if go else self.idle + 1
+        self.cycles["tree" if go else "plain"] += 1
         return go
 
     def tree_outcome(self, tokens: int, draft_s: float) -> None:
@@ -292,14 +358,19 @@ class Speculation:
         """The cycle's target forward had ``new`` new tokens and took ``seconds``."""
         self.costs.timed_target(new, seconds)
 
+    def read(self, seconds: float) -> None:
+        """The drafter took ``seconds`` to read what a drafted cycle verified (counted with its next first draft:
+        a cycle that drafts pays it, one that does not defers it)."""
+        self._read_s += seconds
+
     def outcome(self, proposed: int, accepted: int) -> None:
         """Of the cycle's ``proposed`` drafts the first ``accepted`` were kept."""
         a = self.acceptance
         if self._kind == "lookup":
-            a.record(a.lookup, proposed, accepted)
+            a.record(a.lookup[self._row], proposed, accepted)
         elif self._kind == "drafter" and proposed:
             a.record(a.by_depth, proposed, accepted)
-            cells = [a.by_probability[min(BINS - 1, int(p * BINS))] for p in self._probabilities[:proposed]]
+            cells = [a.by_probability[_bin(p)] for p in self._probabilities[:proposed]]
             a.record(cells, proposed, accepted)
         self._kind = "plain"
 
@@ -316,7 +387,7 @@ class Policy:
     keep: Callable[[Costs], None] | None = None  # told the refreshed costs after each request (to save them)
 
     def request(self, drafter: bool) -> Speculation:
-        return Speculation(self.costs, self.acceptance.copy(), drafter)
+        return Speculation(self.costs, self.acceptance.copy(REQUEST_PRIOR), drafter)
 
     def finished(self, speculation: Speculation) -> None:
         self.acceptance.blend(speculation.acceptance)
