@@ -30,9 +30,11 @@ MAX_NEW = 16  # the most new tokens one verification takes under the policy (and
 MAX_CHAIN = 8  # the most drafter drafts per cycle: past it the drafter's acceptance has always fallen too far
 BINS = 10  # the drafter's probabilities are binned by tenths
 CAP = 24.0  # counts fade once a cell holds this many tries: about the last two dozen outcomes decide
+POSITIONS = 4  # acceptance is kept per position for the first drafts of a cycle; the ones after share the last cell
 NGRAMS = 3  # lookup's acceptance is kept apart for copies that followed a match of 1, 2, and 3 or more tokens
 REQUEST_PRIOR = 4.0  # a request starts from what earlier ones saw, weighted as this many tries per cell
-EXPLORE_EVERY = 16  # cycles without the drafter before one draft is tried anyway, to see if its acceptance rose
+EXPLORE_EVERY = 16  # cycles without the drafter before it is tried anyway, to see if its acceptance rose; each look
+EXPLORE_MOST = 256  # that does not win the drafter back doubles the wait, up to this
 EMA = 0.2  # weight of a new timing in the moving averages
 OUTLIER = 2.0  # one timing moves an estimate at most as if it were this many times above or below it
 
@@ -166,6 +168,12 @@ class Rate:
             self.tries = CAP
 
 
+def at(cells: Sequence[Rate], start: int, stop: int) -> list[Rate]:
+    """The cells of positions ``start..stop-1``: a position past the last cell reads the last (so the same cell may
+    come several times, and recording into the list counts each of its outcomes)."""
+    return [cells[min(i, len(cells) - 1)] for i in range(start, stop)]
+
+
 def _bin(probability: float) -> int:
     return min(BINS - 1, max(0, int(probability * BINS)))
 
@@ -178,6 +186,8 @@ def _prior(p: float, weight: float) -> Rate:
 class Acceptance:
     """Chances of acceptance, each given that every draft before it in the cycle was accepted.
 
+    Past the first :data:`POSITIONS` drafts of a cycle one cell serves every position (:func:`at`): deep drafts
+    are reached too seldom to be learned one by one, and once that far a copy or a chain tends to keep holding.
     ``lookup[m][i]``: the ``i+1``-th token of a prompt-lookup copy that followed a match of ``m+1`` tokens
     (the last row: that many or more; a longer match is a surer copy). ``by_probability[b]``: a drafter draft whose
     likeliest token had probability in tenth ``b`` (the shipped drafter's probability is close to this
@@ -186,10 +196,12 @@ class Acceptance:
     """
 
     lookup: list[list[Rate]] = field(default_factory=lambda: [
-        [_prior(0.6 if i == 0 else 0.75, 2.0) for i in range(MAX_NEW)] for _ in range(NGRAMS)])
+        [_prior((0.6, 0.75, 0.8, 0.85)[i], 2.0) for i in range(POSITIONS)] for _ in range(NGRAMS)])
     by_probability: list[Rate] = field(default_factory=lambda: [_prior((b + 0.5) / BINS, 4.0) for b in range(BINS)])
-    by_depth: list[Rate] = field(default_factory=lambda: [_prior(0.45 if i == 0 else 0.6, 2.0) for i in range(MAX_CHAIN)])
+    by_depth: list[Rate] = field(default_factory=lambda: [_prior((0.45, 0.6, 0.65, 0.7)[i], 2.0) for i in range(POSITIONS)])
     first: list[float] = field(default_factory=lambda: [1.0 / BINS] * BINS)  # shares of first drafts by probability bin
+    tree_tokens: float = 0.0  # a drafted tree cycle's new tokens, and its drafting's seconds (reading the last
+    tree_draft_s: float = 0.0  # cycle's verified states included), as moving averages (0: no tree seen yet)
 
     def cells(self) -> list[Rate]:
         return [r for row in self.lookup for r in row] + self.by_probability + self.by_depth
@@ -202,7 +214,7 @@ class Acceptance:
             return Rate(c.hits * scale, c.tries * scale)
 
         return Acceptance([[rate(c) for c in row] for row in self.lookup], [rate(c) for c in self.by_probability],
-                          [rate(c) for c in self.by_depth], list(self.first))
+                          [rate(c) for c in self.by_depth], list(self.first), self.tree_tokens, self.tree_draft_s)
 
     def blend(self, other: Acceptance, weight: float = 0.5) -> None:
         """Move toward ``other`` (a finished request's), so that the next request starts from what was seen."""
@@ -210,6 +222,10 @@ class Acceptance:
             m.hits += weight * (t.hits - m.hits)
             m.tries += weight * (t.tries - m.tries)
         self.first = [m + weight * (t - m) for m, t in zip(self.first, other.first)]
+        if other.tree_tokens:
+            w = weight if self.tree_tokens else 1.0
+            self.tree_tokens += w * (other.tree_tokens - self.tree_tokens)
+            self.tree_draft_s += w * (other.tree_draft_s - self.tree_draft_s)
 
     def drafted(self, probability: float) -> float:
         return self.by_probability[_bin(probability)].p
@@ -240,6 +256,7 @@ class Speculation:
         self.acceptance = acceptance
         self.has_drafter = drafter
         self.idle = 0  # cycles since the drafter last drafted
+        self.explore_after = EXPLORE_EVERY  # idle cycles before the drafter is tried anyway
         # the cycle being drafted: its expected tokens and seconds, the chance all its drafts are accepted,
         # the drafts' probabilities, and when the drafter's current draft started (for timing it)
         self._tokens = self._seconds = self._reach = 0.0
@@ -251,8 +268,6 @@ class Speculation:
         self._proposed = 0
         self._row = 0  # the lookup row of the cycle's copy
         self.cycles = {"plain": 0, "lookup": 0, "drafter": 0, "tree": 0}  # what each cycle chose, for reports
-        self.tree_tokens: float | None = None  # a tree cycle's tokens and drafting seconds in this request (averages)
-        self.tree_draft_s = 0.0
 
     # --- the start of a cycle -----------------------------------------------------------
 
@@ -260,7 +275,7 @@ class Speculation:
         c, a = self.costs, self.acceptance
         base = c.verify_s(1)
         return drafter_rate(base, c.draft_first, c.draft_next, [c.verify_s(j + 2) - base for j in range(most)],
-                            a.first, [r.p for r in a.by_probability], [r.p for r in a.by_depth[1:most]])
+                            a.first, [r.p for r in a.by_probability], [r.p for r in at(a.by_depth, 1, most)])
 
     def plan(self, copied: int, drafter_most: int, matched: int = 1) -> tuple[str, int]:
         """At a cycle's start, with ``copied`` lookup tokens at hand (after a match of ``matched`` tokens) and room
@@ -272,7 +287,7 @@ class Speculation:
         options = [("plain", 0, 1.0 / base)]
         if copied:
             self._row = min(matched, NGRAMS) - 1
-            accept = [r.p for r in self.acceptance.lookup[self._row][:copied]]
+            accept = [r.p for r in at(self.acceptance.lookup[self._row], 0, copied)]
             n, rate = best_extension(1.0, base, 1.0, accept, [c.verify_s(j + 2) - base for j in range(len(accept))])
             if n:
                 options.append(("lookup", n, rate))
@@ -281,8 +296,10 @@ class Speculation:
             if m:
                 options.append(("drafter", m, rate))
         kind, n, _ = max(options, key=lambda o: o[2])
-        if kind == "plain" and self.idle >= EXPLORE_EVERY and self.has_drafter and drafter_most:
-            kind, n = "drafter", max(1, m)  # worth a look now and then: its acceptance moves
+        if kind == "drafter":
+            self.explore_after = EXPLORE_EVERY
+        elif kind == "plain" and self.has_drafter and drafter_most and self._explore():
+            kind, n = "drafter", max(1, m)
         self.cycles[kind] += 1
         self._kind, self._proposed = kind, n if kind == "lookup" else 0
         self.idle = 0 if kind == "drafter" else self.idle + 1
@@ -291,6 +308,14 @@ class Speculation:
             self._probabilities = []
             self._started = time.perf_counter()
         return kind, n
+
+    def _explore(self) -> bool:
+        """Whether to try the drafter although it is not expected to pay: its acceptance moves with the text, and
+        is only seen when it drafts. Each look that does not win it back makes the next wait twice as long."""
+        if self.idle < self.explore_after:
+            return False
+        self.explore_after = min(2 * self.explore_after, EXPLORE_MOST)
+        return True
 
     # --- while the drafter drafts -------------------------------------------------------
 
@@ -322,7 +347,7 @@ class Speculation:
         if room <= 0:
             return False
         n = len(self._probabilities)
-        accept = [r.p for r in self.acceptance.by_depth[index : index + room]]
+        accept = [r.p for r in at(self.acceptance.by_depth, index, index + room)]
         extra = [c.draft_next * (j + 1) + c.verify_s(n + j + 2) - c.verify_s(n + 1) for j in range(len(accept))]
         go = best_extension(self._tokens, self._seconds, self._reach, accept, extra)[0] > 0
         if go:
@@ -333,24 +358,26 @@ class Speculation:
 
     def plan_tree(self, nodes: int) -> bool:
         """Whether a tree of ``nodes`` tokens (its root included) is expected to beat a plain step this cycle, from
-        the tokens and drafting time of this request's trees so far (a tree's acceptance is its own: the rule
-        keeps one average per request, and tries a tree now and then when plain steps have won)."""
-        c = self.costs
-        if self.tree_tokens is None:
-            accept = [r.p for r in self.acceptance.by_depth]
-            self.tree_tokens = best_extension(1.0, 1.0, 1.0, accept, [0.0] * len(accept))[1]  # a chain's, as a floor
-            self.tree_draft_s = c.draft_first + c.draft_next * 2
-        go = (self.tree_tokens / (self.tree_draft_s + c.verify_s(nodes)) > 1.0 / c.verify_s(1)
-              or self.idle >= EXPLORE_EVERY)
+        the tokens and drafting time of the trees seen so far (a tree's acceptance is its own: the rule keeps
+        moving averages, started from the requests before, and tries a tree now and then when plain steps won)."""
+        c, a = self.costs, self.acceptance
+        if not a.tree_tokens:
+            accept = [r.p for r in at(a.by_depth, 0, MAX_CHAIN)]
+            a.tree_tokens = best_extension(1.0, 1.0, 1.0, accept, [0.0] * len(accept))[1]  # a chain's, as a floor
+            a.tree_draft_s = c.draft_first + c.draft_next * 2
+        go = a.tree_tokens / (a.tree_draft_s + c.verify_s(nodes)) > 1.0 / c.verify_s(1)
+        if go:
+            self.explore_after = EXPLORE_EVERY
+        go = go or self._explore()
         self.idle = 0 if go else self.idle + 1
         self.cycles["tree" if go else "plain"] += 1
         return go
 
     def tree_outcome(self, tokens: int, draft_s: float) -> None:
         """A tree cycle added ``tokens`` tokens and took ``draft_s`` seconds of drafting."""
-        assert self.tree_tokens is not None, "plan_tree() first"
-        self.tree_tokens += EMA * (tokens - self.tree_tokens)
-        self.tree_draft_s += EMA * (draft_s - self.tree_draft_s)
+        a = self.acceptance
+        a.tree_tokens += EMA * (tokens - a.tree_tokens)
+        a.tree_draft_s += EMA * (_bounded(draft_s, a.tree_draft_s) - a.tree_draft_s)
 
     # --- after the verification ---------------------------------------------------------
 
@@ -367,9 +394,9 @@ class Speculation:
         """Of the cycle's ``proposed`` drafts the first ``accepted`` were kept."""
         a = self.acceptance
         if self._kind == "lookup":
-            a.record(a.lookup[self._row], proposed, accepted)
+            a.record(at(a.lookup[self._row], 0, proposed), proposed, accepted)
         elif self._kind == "drafter" and proposed:
-            a.record(a.by_depth, proposed, accepted)
+            a.record(at(a.by_depth, 0, proposed), proposed, accepted)
             cells = [a.by_probability[_bin(p)] for p in self._probabilities[:proposed]]
             a.record(cells, proposed, accepted)
         self._kind = "plain"

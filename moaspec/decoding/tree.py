@@ -133,6 +133,7 @@ def generate_tree(
     run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece, prefill, on_logprobs)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
     pending: list[torch.Tensor] = []  # hidden states of plain steps the drafter has not been told of
+    read_s = 0.0  # the drafter's reading of the last tree's verified states: part of the next tree's drafting
     while not run.sink.done:
         n = cache.length
         fits = cache.capacity - n  # the tree must fit the cache (and the context window)
@@ -147,10 +148,13 @@ def generate_tree(
                 tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, nodes))
         else:
             tree = DraftTree(torch.tensor([tokens[-1]]), [-1], torch.zeros(1, dtype=torch.long))
-        draft_s, t = time.perf_counter() - t, time.perf_counter()
+        draft_s, t = time.perf_counter() - t + read_s, time.perf_counter()
         ancestors = tree.ancestors().to(model.device)
-        out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device),
-                    mask=tree_mask(n, ancestors))
+        if drafted:
+            out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device),
+                        mask=tree_mask(n, ancestors))
+        else:  # one token: the causal step, whose fused one-token path a tree's mask would forgo
+            out = model(tree.tokens[None].to(model.device), cache)
         logits = run.adjusted(out.logits[0], tree.tokens, ancestors)
         scores = logits if params.greedy else probabilities(logits, params)
         path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
@@ -169,8 +173,10 @@ def generate_tree(
             if not drafted:
                 pending.append(out.hidden[0, kept])
                 continue
+            t = time.perf_counter()
             with run.drafting():
                 proposer.commit(cache.length, path, out.hidden[0, kept])
+            read_s = time.perf_counter() - t
     if pending and prefill.reuse is not None:  # a prompt cache keeps the drafter's state: bring it up to date
         proposer.commit(cache.length, None, torch.cat(pending))
     return run.result()
