@@ -6,7 +6,7 @@ dtype, and the drafter, so they are measured the first time a setting decodes (a
 CPU: 16 sizes, a few times each) and saved under ``$MOASPEC_TUNED`` (default: the cache's ``tuned``
 folder), keyed by all of that; later processes read them. ``moaspec tune`` measures more carefully and
 refreshes the drafter's costs from real decoding. While decoding, every cycle's timings refresh the
-in-memory copy, and the file is rewritten now and then, so it follows the host.
+in-memory copy, and the drafter's costs are written back now and then.
 """
 
 from __future__ import annotations
@@ -145,12 +145,14 @@ def policy_for(target: LoadedModel, drafter_path: str | Path | None, drafter: Dr
                     notify("measuring this host's decoding costs once (about a second) ...")
                 costs = measured_costs(target.model)
                 source = str(save_costs(key, costs, "measured at first use"))
-            policy = _policies[name] = Policy(costs, source=source, keep=_keeper(key))
+            policy = _policies[name] = Policy(costs, source=source, keep=_keeper(key, list(costs.target)))
         return policy
 
 
-def _keeper(key: dict[str, Any]) -> Callable[[Costs], None]:
-    """Write refreshed costs back, at most every :data:`SAVE_EVERY_S` seconds (never failing a generation)."""
+def _keeper(key: dict[str, Any], target: list[float]) -> Callable[[Costs], None]:
+    """Write the drafter's refreshed costs back, at most every :data:`SAVE_EVERY_S` seconds (never failing a
+    generation). The target's stay as measured (``target``): refreshed while decoding they follow the contexts
+    and the load of the moment, which the next process need not share; it refreshes its own copy as it decodes."""
     last = [time.monotonic()]
 
     def keep(costs: Costs) -> None:
@@ -158,7 +160,7 @@ def _keeper(key: dict[str, Any]) -> Callable[[Costs], None]:
             return
         last[0] = time.monotonic()
         try:
-            save_costs(key, costs, "refreshed while decoding")
+            save_costs(key, Costs(target, costs.draft_first, costs.draft_next), "drafter refreshed while decoding")
         except OSError:
             pass  # a read-only cache: the next process measures again
 

@@ -33,6 +33,8 @@ DEFAULT_LOOKUP = 10
 # alone recurs almost everywhere, and what followed it last time is a worse guess than the
 # drafter's (lookup 10 before chains of 2: 1.11x -> 1.21x and 1.19x -> 1.30x plain decoding, BENCHMARKS.md).
 MIN_NGRAM_BEFORE_DRAFTER = 2
+# By cost, a first draft after more verified tokens than this read at once is not timed (see Speculation.catching_up)
+CATCH_UP = 4
 
 
 class NgramIndex:
@@ -193,6 +195,8 @@ class LookupProposer:
         """Hand the drafter what was verified while it was left alone (the prompt too, if it has not read it yet)."""
         if self.drafter is None or not self._pending:
             return
+        if self.speculation is not None and (not self._begun or sum(len(h) for h in self._pending) > CATCH_UP):
+            self.speculation.catching_up()
         if not self._begun:
             assert self.cache is not None
             self.drafter.begin(self.cache, torch.cat(self._pending))

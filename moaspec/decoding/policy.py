@@ -262,7 +262,7 @@ class Speculation:
         self._tokens = self._seconds = self._reach = 0.0
         self._probabilities: list[float] = []
         self._started = 0.0
-        self._read_prompt = False  # the drafter's first draft of a request reads the whole prompt: not a cycle's cost
+        self._untimed = True  # the next first draft reads much more than a cycle's tokens (the prompt, a long catch-up)
         self._read_s = 0.0  # the drafter's reading of the last drafted cycle's verified states: part of its next draft
         self._kind = "plain"
         self._proposed = 0
@@ -322,9 +322,9 @@ class Speculation:
     def keep(self, index: int, probability: float) -> bool:
         """The drafter's draft ``index`` (0-based) has its likeliest token at ``probability``: keep it if verifying
         it raises the cycle's expected rate (its drafting is paid already)."""
-        if self._read_prompt or index:
+        if index or not self._untimed:
             self.costs.timed_draft(index == 0, time.perf_counter() - self._started + (0.0 if index else self._read_s))
-        self._read_prompt, self._read_s = True, 0.0
+        self._untimed, self._read_s = False, 0.0
         if index == 0:
             self.acceptance.first_draft(probability)
         c = self.costs
@@ -384,6 +384,11 @@ class Speculation:
     def timed(self, new: int, seconds: float) -> None:
         """The cycle's target forward had ``new`` new tokens and took ``seconds``."""
         self.costs.timed_target(new, seconds)
+
+    def catching_up(self) -> None:
+        """The drafter's next first draft reads many verified tokens at once (its prompt, or a long run of cycles
+        without it): not what a first draft costs cycle after cycle, so it is not timed."""
+        self._untimed = True
 
     def read(self, seconds: float) -> None:
         """The drafter took ``seconds`` to read what a drafted cycle verified (counted with its next first draft:
