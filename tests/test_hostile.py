@@ -142,18 +142,18 @@ NINES = "9" * 5000  # written into JSON as a number: Python's int() refuses stri
 
 
 @pytest.mark.parametrize("field, status, param", [
-    ('"logit_bias": {"%s": 1.0}' % NINES, 400, "logit_bias"),
+    ('"logit_bias": {"' + NINES + '": 1.0}', 400, "logit_bias"),
     ('"model": "\\ud800"', 404, "model"),
-    ('"model": "%s"' % ("m" * 100_000), 404, "model"),
-    ('"prompt": [5, %s]' % NINES[:4000], 400, "prompt"),
-    ('"prompt": [5, %s]' % NINES, 400, ""),  # the JSON parser refuses it: not valid JSON
-    ('"stop": ["%s"]' % ("x" * 1001), 400, "stop"),
+    ('"model": "' + "m" * 100_000 + '"', 404, "model"),
+    ('"prompt": [5, ' + NINES[:4000] + "]", 400, "prompt"),
+    ('"prompt": [5, ' + NINES + "]", 400, ""),  # the JSON parser refuses it: not valid JSON
+    ('"stop": ["' + "x" * 1001 + '"]', 400, "stop"),
     ('"stop": ["\\ud800", "a\\udfff"]', 200, None),
 ])
 def test_hostile_values_get_a_short_4xx_never_a_500(server: str, field: str, status: int, param: str | None) -> None:
     """UTF-8 refuses lone surrogates (JSON allows them), and an error that quotes what it was sent must not send
     it all back, nor fail to write a 5,000-digit number."""
-    payload = '{"model": "%s", "prompt": [5, 6, 7], "max_tokens": 1, %s}' % (MODEL, field)
+    payload = f'{{"model": "{MODEL}", "prompt": [5, 6, 7], "max_tokens": 1, {field}}}'
     with httpx.Client(base_url=server, headers={**AUTH, "Content-Type": "application/json"}, timeout=30) as http:
         r = http.post("/v1/completions", content=payload.encode())
     assert r.status_code == status, r.text[:300]
@@ -163,8 +163,8 @@ def test_hostile_values_get_a_short_4xx_never_a_500(server: str, field: str, sta
 
 def test_a_huge_logit_bias_key_opening_a_session_gets_a_400(server: str) -> None:
     with httpx.Client(base_url=server, headers=AUTH, timeout=30) as http:
-        for body in ('{"prompt": [5, 6], "state": "none", "sampling": {"logit_bias": {"%s": 1.0}}}' % NINES,
-                     '{"prompt": [5, %s], "state": "none"}' % NINES):
+        for body in ('{"prompt": [5, 6], "state": "none", "sampling": {"logit_bias": {"' + NINES + '": 1.0}}}',
+                     '{"prompt": [5, ' + NINES + '], "state": "none"}'):
             r = http.post("/cs/v1/sessions", content=body.encode(), headers={"Content-Type": "application/json"})
             assert r.status_code == 400 and len(r.text) < 600, r.text[:600]
 

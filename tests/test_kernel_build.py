@@ -27,12 +27,14 @@ KERNEL = "from moaspec.models import block_kernel as bk; bk.BUILD_WAIT_S = {wait
 
 
 def stand_in(bin_dir: Path, script: str) -> Path:
-    """A ``c++`` on PATH that runs ``script`` (sh) instead of compiling."""
+    """``bin_dir``, holding a ``c++`` that runs ``script`` (sh) instead of compiling and notes its process id
+    in ``bin_dir/pids`` (ninja starts each compiler in a process group of its own, which killing the build's
+    group does not reach)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     path = bin_dir / "c++"
-    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.write_text(f'#!/bin/sh\necho $$ >> "{bin_dir / "pids"}"\n{script}\n')
     path.chmod(0o755)
-    return path
+    return bin_dir
 
 
 def environment(cache: Path, bin_dir: Path | None = None, **extra: str) -> dict[str, str]:
@@ -55,10 +57,16 @@ def compiling(process: subprocess.Popen[str]) -> None:
     assert "compiling the 4-bit CPU kernel" in line, line
 
 
-def kill(process: subprocess.Popen[str]) -> None:
-    """SIGKILL the process and its stand-in compiler, as an out-of-memory kill would."""
+def kill(process: subprocess.Popen[str], bin_dir: Path) -> None:
+    """SIGKILL the process, as an out-of-memory kill would, then the stand-in compilers it left running."""
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(10)
+    pids = bin_dir / "pids"
+    for pid in pids.read_text().split() if pids.exists() else []:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @unix
@@ -66,24 +74,25 @@ def kill(process: subprocess.Popen[str]) -> None:
 def test_a_killed_first_build_never_hangs_the_next_run(tmp_path: Path) -> None:
     """The first build is killed mid-compile; the next run compiles again (here: a compiler that fails at once)
     and falls back in one line, within seconds (torch waited forever on the lock the killed build left)."""
-    first = kernel_process(environment(tmp_path / "cache", stand_in(tmp_path / "slow", "sleep 600")))
+    slow = stand_in(tmp_path / "slow", "sleep 600")
+    first = kernel_process(environment(tmp_path / "cache", slow))
     try:
         compiling(first)
         time.sleep(1)
     finally:
-        kill(first)
+        kill(first, slow)
     failing = stand_in(tmp_path / "failing", 'case "$1" in --version) echo "g++ (stand-in) 13.2.0"; exit 0;; esac\n'
                                              'echo "kernel.cpp:1:1: error: this compiler is a stand-in" >&2; exit 1')
     began = time.monotonic()
     second = subprocess.run([sys.executable, "-c", KERNEL.format(wait=600)], capture_output=True, text=True, timeout=300,
-                            env=environment(tmp_path / "cache", failing.parent))
+                            env=environment(tmp_path / "cache", failing))
     assert second.stdout.strip() == "fp32" and time.monotonic() - began < 240
     said = second.stderr.splitlines()
     assert len(said) == 2 and "compiling" in said[0], second.stderr  # no banner from torch on the compiler
     assert "could not be built (kernel.cpp:1:1: error: this compiler is a stand-in)" in said[1]
     # remembered: the next run does not try again, and says how to
     third = subprocess.run([sys.executable, "-c", KERNEL.format(wait=600)], capture_output=True, text=True, timeout=120,
-                           env=environment(tmp_path / "cache", failing.parent))
+                           env=environment(tmp_path / "cache", failing))
     assert third.stdout.strip() == "fp32" and third.stderr.count("\n") == 1
     assert "error: this compiler is a stand-in" in third.stderr and "delete" in third.stderr
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written under a library's name
@@ -92,7 +101,8 @@ def test_a_killed_first_build_never_hangs_the_next_run(tmp_path: Path) -> None:
 @unix
 @needs_kernel
 def test_a_build_in_progress_elsewhere_is_waited_for_a_bounded_time(tmp_path: Path) -> None:
-    env = environment(tmp_path / "cache", stand_in(tmp_path / "slow", "sleep 600"))
+    slow = stand_in(tmp_path / "slow", "sleep 600")
+    env = environment(tmp_path / "cache", slow)
     first = kernel_process(env)
     try:
         compiling(first)
@@ -104,7 +114,7 @@ def test_a_build_in_progress_elsewhere_is_waited_for_a_bounded_time(tmp_path: Pa
         assert len(said) == 2 and "waiting for another process" in said[0], second.stderr
         assert "another process has been compiling it for over 1 s" in said[1]
     finally:
-        kill(first)
+        kill(first, slow)
 
 
 @needs_kernel
@@ -136,10 +146,9 @@ def built_library() -> Path:
     """The library this checkout's kernel() loaded (built here once, about a minute, if it was not)."""
     if block_kernel.kernel() is None:
         pytest.skip(f"the kernel cannot be built here: {block_kernel._why_not}")
-    found = sorted((block_kernel.cache_root() / "kernels").glob(f"*/*{block_kernel.LIBRARY_SUFFIX}"),
-                   key=lambda p: p.stat().st_mtime)
-    assert found
-    return found[-1]
+    library = block_kernel.library_path()
+    assert library.exists(), library
+    return library
 
 
 @needs_kernel

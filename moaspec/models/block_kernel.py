@@ -184,16 +184,27 @@ def compile_flags(platform: str = sys.platform, openmp: bool = True) -> tuple[li
     return cflags, []
 
 
-def build() -> ModuleType:
-    """Load the cached build of the extension, or compile it (see the module's docstring for the faults this
-    survives); its name carries the sources', flags' and torch version's digest, so an edited kernel is never
-    confused with an old build. Raises :class:`Unavailable` when it can be neither."""
-    cflags, ldflags = compile_flags(openmp="OpenMP" in torch.__config__.parallel_info())
+def _flags() -> tuple[list[str], list[str]]:
+    """This machine's compiler and linker flags (OpenMP where torch itself runs on it)."""
+    return compile_flags(openmp="OpenMP" in torch.__config__.parallel_info())
+
+
+def library_path() -> Path:
+    """Where this checkout's build lives: its name carries the sources', flags' and torch version's digest, so
+    an edited kernel is never confused with an old build (and tests find this build among others')."""
+    cflags, ldflags = _flags()
     code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
     digest = hashlib.sha256(code + " ".join(cflags + ldflags).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"moaspec_block_kernel_{digest}"
-    where = cache_root() / "kernels" / name
-    library = where / f"{name}{LIBRARY_SUFFIX}"
+    return cache_root() / "kernels" / name / f"{name}{LIBRARY_SUFFIX}"
+
+
+def build() -> ModuleType:
+    """Load the cached build of the extension, or compile it (see the module's docstring for the faults this
+    survives), at :func:`library_path`. Raises :class:`Unavailable` when it can be neither."""
+    cflags, ldflags = _flags()
+    library = library_path()
+    name, where = library.stem, library.parent
     unloadable = False
     if library.exists():
         try:
