@@ -65,10 +65,35 @@ def test_prompts_beyond_capacity_are_refused_before_any_is_read(server: str, mon
     read: list[str] = []
     monkeypatch.setattr(openai_api, "encode_text", lambda tokenizer, text: read.append(text) or [1])
     with httpx.Client(base_url=server, headers=AUTH, timeout=30) as http:
-        for prompt in (["x"] * 20_000, [[1]] * 20_000):
+        for prompt in (["x"] * 20_000, [[1]] * 10_000):
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
             assert r.status_code == 400 and "more than this server decodes and queues at once" in r.text
     assert read == []
+
+
+def test_bodies_of_too_many_arrays_and_objects_are_refused_unparsed(server: str) -> None:
+    """262,128 one-id prompts in 1 MiB held the event loop for 1.5 s while JSON and pydantic built and checked
+    their lists (a chat of 34,950 messages: 0.1 s), before the count could be checked; they are refused from
+    their bytes now, before they are parsed."""
+    bodies = {"/v1/completions": {"model": MODEL, "prompt": [[1]] * 262_128, "max_tokens": 1},
+              "/v1/chat/completions": {"model": MODEL, "max_tokens": 1,
+                                       "messages": [{"role": "user", "content": "x"}] * 34_950},
+              "/cs/v1/sessions/x/verify": {"verified": 1, "draft": [1], "dists": [{"ids": [1], "probs": [1.0]}] * 20_000}}
+    with httpx.Client(base_url=server, headers=AUTH, timeout=30) as http:
+        for path, body in bodies.items():
+            r = http.post(path, content=json.dumps(body, separators=(",", ":")), headers=JSON)
+            assert r.status_code == 400 and "JSON arrays and objects" in r.text, (path, r.text[:300])
+        # brackets inside strings are text, not structure: this prompt is read (and is too long for the model)
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": '[{"a": "\\"}]' * 20_000, "max_tokens": 1})
+        assert r.status_code == 400 and "JSON arrays" not in r.text and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_containers_are_counted_outside_strings() -> None:
+    from moaspec.serving.json_limits import MAX_CONTAINERS, containers
+
+    text = json.dumps({"prompt": ["[", "{\"", '"]'] * MAX_CONTAINERS, "stop": ["]"]}).encode()
+    assert containers(text) == 3  # the object and the two arrays
+    assert containers(json.dumps([[1]] * (MAX_CONTAINERS + 1)).encode()) == MAX_CONTAINERS + 2
 
 
 def test_prompts_are_read_off_the_event_loop(server: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -48,6 +48,7 @@ from moaspec.errors import MoaspecError, shown
 from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.engine import Engine, Piece
 from moaspec.serving.errors import APIError
+from moaspec.serving.json_limits import BoundedRoute
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # OpenAI takes 4; evaluation harnesses send a task's stop strings and the end-of-text token, often more
@@ -189,7 +190,7 @@ class OpenAIRoutes:
         self.token_bytes = TokenBytes(engine.target.tokenizer)
 
     def router(self) -> APIRouter:
-        r = APIRouter(prefix="/v1")
+        r = APIRouter(prefix="/v1", route_class=BoundedRoute)
         r.add_api_route("/models", self.models, methods=["GET"])
         r.add_api_route("/models/{model_id:path}", self.model, methods=["GET"])
         r.add_api_route("/chat/completions", self.chat, methods=["POST"])
