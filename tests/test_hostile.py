@@ -91,7 +91,8 @@ def test_bodies_of_too_many_arrays_and_objects_are_refused_unparsed(server: str)
 def test_containers_are_counted_outside_strings() -> None:
     from moaspec.serving.json_limits import MAX_CONTAINERS, containers
 
-    text = json.dumps({"prompt": ["[", "{\"", '"]'] * MAX_CONTAINERS, "stop": ["]"]}).encode()
+    # quotes and backslashes escaped inside strings, and a string that ends in an escaped backslash
+    text = json.dumps({"prompt": ["[", '{"', '"]', "\\", '\\"['] * MAX_CONTAINERS, "stop": ["]"]}).encode()
     assert containers(text) == 3  # the object and the two arrays
     assert containers(json.dumps([[1]] * (MAX_CONTAINERS + 1)).encode()) == MAX_CONTAINERS + 2
 
