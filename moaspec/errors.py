@@ -18,8 +18,9 @@ class PromptError(MoaspecError):
     """A prompt is empty or does not fit the model's context window."""
 
 
-def brief(exc: BaseException, limit: int = 300) -> str:
-    """A library's multi-line error message as one line, shortened: for a :class:`MoaspecError` that quotes it."""
+def brief(exc: BaseException | str, limit: int = 300) -> str:
+    """A library's multi-line error message (or an exception's) as one line, shortened: for a
+    :class:`MoaspecError` that quotes it."""
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 

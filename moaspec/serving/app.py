@@ -219,9 +219,9 @@ class _QueryRedaction(logging.Filter):
     (an API key, a prompt); the log says only that there was one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple) and len(record.args) == 5 and isinstance(record.args[2], str):
-            addr, method, path, version, status = record.args
-            record.args = (addr, method, path.split("?", 1)[0] + ("?…" if "?" in path else ""), version, status)
+        args = record.args  # uvicorn's: client address, method, path with query, HTTP version, status
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(path := args[2], str):
+            record.args = (*args[:2], path.split("?", 1)[0] + ("?…" if "?" in path else ""), *args[3:])
         return True
 
 
@@ -230,7 +230,7 @@ def server_config(app: FastAPI, log_level: str = "info", header_timeout: float =
     """uvicorn's settings for ``app``: h11 (the same protocol, and the same timeouts, whether or not httptools is
     installed), the timeouts of :class:`_TimedH11`, and an access log without query strings."""
     config = _Config(app, header_timeout, http=_TimedH11, log_level=log_level, timeout_graceful_shutdown=5,
-                     timeout_keep_alive=idle_timeout)  # type: ignore[arg-type]
+                     timeout_keep_alive=idle_timeout)
     access = logging.getLogger("uvicorn.access")  # configured by now: uvicorn.Config sets its loggers up
     if not any(isinstance(f, _QueryRedaction) for f in access.filters):
         access.addFilter(_QueryRedaction())

@@ -147,7 +147,7 @@ class CompletionRequest(_Common):
     def items(self) -> list[str | list[int]]:
         """The prompts: one (a string, or a list of token ids), or each of a batch."""
         raw = self.prompt
-        return [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw  # type: ignore[list-item,return-value]
+        return [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw  # type: ignore[return-value]
 
 
 def _usage(results: Sequence[GenerationResult], n: int) -> dict[str, Any]:
