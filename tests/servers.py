@@ -10,13 +10,17 @@ from contextlib import contextmanager
 import uvicorn
 
 from moaspec.serving import listen
+from moaspec.serving.app import server_config
 
 
 @contextmanager
-def running(app) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    """Serve ``app`` on a free loopback port; yield its base URL; stop it afterwards."""
+def running(app, **timeouts: float) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """Serve ``app`` on a free loopback port, with the server's own settings (``timeouts``: its header and idle
+    timeouts, shortened); yield its base URL; stop it afterwards."""
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    config = server_config(app, log_level="warning", **timeouts)
+    config.timeout_graceful_shutdown = 2
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 20

@@ -69,3 +69,49 @@ def test_flush_decodes_a_trailing_incomplete_character(tiny_llama) -> None:  # t
         d = Detokenizer(tok)
         streamed = "".join(d.push(partial[i : i + step]) for i in range(0, len(partial), step)) + d.flush()
         assert streamed == d.text == whole
+
+
+class Chars:
+    """A tokenizer whose token ids are Unicode code points: any text, one character a token."""
+
+    @staticmethod
+    def decode(ids: list[int], **_: object) -> str:
+        return "".join(map(chr, ids))
+
+
+def test_stop_strings_match_as_a_naive_search_would() -> None:
+    """Text streamed a character at a time ends where the first stop string to be completed begins, and
+    nothing shown before then is the beginning of a stop string."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(1, 40)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))]
+        ends = (min(e - len(s) for s in stops if text[:e].endswith(s)) for e in range(1, len(text) + 1)
+                if any(text[:e].endswith(s) for s in stops))
+        first = next(ends, None)
+        d, shown = Detokenizer(Chars(), stops), ""
+        for c in text:
+            shown += d.push([ord(c)])
+            assert first is None or len(shown) <= first, (text, stops, shown)
+            if d.stopped:
+                break
+        shown += d.flush()
+        assert shown == (text if first is None else text[:first]), (text, stops, shown)
+        assert d.stopped == (first is not None)
+
+
+def test_long_stop_strings_cost_time_linear_in_the_text() -> None:
+    """Sixteen 5,000-character stop strings, and text whose end is always the beginning of each: every new
+    character is read once per stop string (testing each prefix of each stop string against the text's end
+    took O(length²) per piece: over a minute for these 1,200 pieces)."""
+    import time
+
+    stops = [str(i % 10) * 4999 + "!" for i in range(16)]
+    d = Detokenizer(Chars(), stops)
+    began = time.perf_counter()
+    shown = "".join(d.push([ord(c) for c in "x01"]) for _ in range(1200))
+    assert time.perf_counter() - began < 3
+    assert shown == "x01" * 1199 + "x0"  # the last "1" could still begin a stop string
+    assert d.flush() == "1"

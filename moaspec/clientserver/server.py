@@ -39,6 +39,7 @@ from moaspec.decoding.generation import MAX_TOP_LOGPROBS
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.errors import APIError
+from moaspec.serving.json_limits import BoundedRoute
 from moaspec.serving.openai_api import Adjustments
 
 
@@ -99,7 +100,7 @@ async def _call(limiter: anyio.CapacityLimiter, fn: Any, *args: Any) -> Any:
 
 
 def router(store: SessionStore, workers: int = 2) -> APIRouter:
-    r = APIRouter(prefix="/cs/v1")
+    r = APIRouter(prefix="/cs/v1", route_class=BoundedRoute)
     limiter = anyio.CapacityLimiter(workers)
     verifying = anyio.CapacityLimiter(store.limits.max_sessions) if store.batcher is not None else limiter
 

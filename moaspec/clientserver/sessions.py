@@ -35,6 +35,13 @@ and the drafts on its path, as on one device (:func:`~moaspec.decoding.sampling.
 The answer begins after the prompt unless ``answer_start`` says it began earlier (a session
 reopened on a partly written answer). With ``logprobs`` every answer carries the target's
 log-probability of each newly verified token and its likeliest alternatives.
+
+A session costs mostly its target K/V: 2 · layers · kv_heads · head_dim values per token (46 KB
+in fp32 for SmolLM2-135M). Its cache starts with room for the prompt and one verification and
+doubles as the session grows, up to the prompt plus the new tokens it was opened for (the
+``capacity`` an open answers): a 2-token prompt costs about 3 MB, not the 92 MiB of room for
+2,048 new tokens. Idle sessions expire after ``ttl_s`` on a timer of their own, whether or not
+another request comes.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from moaspec.decoding.sampling import (
 from moaspec.decoding.tree import DraftTree
 from moaspec.decoding.verify import verify_greedy, verify_sampling, verify_tree
 from moaspec.drafters.moa import MoADrafter
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, shown
 from moaspec.heap import release_free_memory
 from moaspec.models.kv_cache import KVCache
 from moaspec.models.loading import LoadedModel
@@ -108,6 +115,11 @@ class Limits:
     max_draft: int = 64  # tokens per verification (an offline client's tail is sent in pieces)
     ttl_s: float = 300.0  # idle sessions expire after this long
 
+    @property
+    def sweep_s(self) -> float:
+        """How often expired sessions are looked for: a session is freed within a quarter TTL of expiring."""
+        return min(max(self.ttl_s / 4, 0.05), 10.0)
+
 
 @dataclass
 class Session:
@@ -119,6 +131,7 @@ class Session:
     layers: int  # the last layers whose K/V the client asked for (Target Layer Inference)
     expires: float
     limit: int  # prompt + the new tokens the session was opened for: no verification starts past it
+    room: int  # the positions its cache may grow to (what the open answered as its capacity)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None  # seeded from sampling.seed; None when greedy
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -161,6 +174,17 @@ class SessionStore:
         self.batcher = batcher
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
+        self._sweeper: threading.Thread | None = None  # runs while sessions are held
+
+    def _sweep(self) -> None:
+        """Expire idle sessions every ``sweep_s`` until none is held (the next open starts this again)."""
+        while True:
+            time.sleep(self.limits.sweep_s)
+            self._expire()
+            with self._lock:
+                if not self._sessions:
+                    self._sweeper = None
+                    return
 
     def info(self) -> dict[str, Any]:
         lim = self.limits
@@ -184,7 +208,7 @@ class SessionStore:
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         bad = outside_vocabulary(ids, self.target.cfg.vocab_size)
         if bad is not None:
-            raise SessionError(400, f"{what} holds token id {bad}, outside the vocabulary [0, {self.target.cfg.vocab_size})")
+            raise SessionError(400, f"{what} holds token id {shown(bad)}, outside the vocabulary [0, {self.target.cfg.vocab_size})")
 
     def _state_of(self, s: Session, start: int, end: int, hidden: torch.Tensor, known: torch.Tensor | None = None,
                   held: int = 0) -> dict[str, Any]:
@@ -256,16 +280,20 @@ class SessionStore:
             raise SessionError(400, str(exc)) from None
         budget = min(max_new_tokens or lim.max_new_tokens, lim.max_new_tokens, context - len(prompt))
         self._expire()
+        room = min(len(prompt) + budget + lim.max_draft + 1, context)
         with self._lock:
             if len(self._sessions) >= lim.max_sessions:
                 raise SessionError(503, f"the server holds its maximum of {lim.max_sessions} sessions; retry later")
             sid = secrets.token_urlsafe(16)
-            cache = self.target.model.new_cache(min(len(prompt) + budget + lim.max_draft + 1, context))
+            cache = self.target.model.new_cache(min(len(prompt) + lim.max_draft + 1, room))  # grown as it is used
             s = Session(sid, cache, list(prompt), state, fmt, layers, time.monotonic() + lim.ttl_s, len(prompt) + budget,
-                        sampling, None if sampling.greedy else sampling.generator(self.target.model.device), top=logprobs,
+                        room, sampling, None if sampling.greedy else sampling.generator(self.target.model.device), top=logprobs,
                         counts=answer_counts(sampling, self.target.cfg.vocab_size, self.target.model.device,
                                              prompt[len(prompt) if answer_start is None else answer_start:]))
             self._sessions[sid] = s
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(target=self._sweep, name="moaspec-sessions", daemon=True)
+                self._sweeper.start()
         known = None
         if self.prompt_cache is not None and moa is not None:
             s.memory = f"moa-memory:{moa[0]}"
@@ -286,7 +314,7 @@ class SessionStore:
                 self._sessions.pop(sid, None)
             raise
         return {"session": sid, "token": first, "verified": len(s.tokens), **first_state, **s.scored(logits[None], [first]),
-                "capacity": cache.capacity, "expires_in_s": lim.ttl_s, "cached_tokens": reused}
+                "capacity": room, "expires_in_s": lim.ttl_s, "cached_tokens": reused}
 
     def _moa_half(self, fingerprint: str | None) -> tuple[str, MoADrafter]:
         """The MoA drafter a client names (by ``fingerprint``; none: the only one held), and its fingerprint."""
@@ -363,10 +391,15 @@ class SessionStore:
                 return s.last[1]  # a retry of the last request: same answer, no second advance
             if verified != len(s.tokens):
                 raise SessionError(409, f"the session has {len(s.tokens)} verified tokens, the request assumes {verified}")
-            cache = s.cache
-            if len(s.tokens) >= s.limit or cache.length + 1 + len(draft) > cache.capacity:
+            need = s.cache.length + 1 + len(draft)
+            if len(s.tokens) >= s.limit or need > s.room:
                 raise SessionError(400, "the session has used its token budget (the max_new_tokens it was opened with, "
                                         "or the context window); open a new one")
+            if need > s.cache.capacity:
+                grown = self.target.model.new_cache(min(max(need, 2 * s.cache.capacity), s.room))
+                grown.load_prefix(s.cache.keys, s.cache.values, s.cache.length)
+                s.cache = grown
+            cache = s.cache
             start, device = cache.length, self.target.model.device
             nodes = torch.tensor([s.tokens[-1], *draft], dtype=torch.long)
             greedy, gen = s.sampling.greedy, s.generator

@@ -211,7 +211,19 @@ void block_product(const float* x, int64_t M, const BlockView& w, float* y) {
         product_into<8>(x, M, w, y);
 }
 
+void check_tensor(const torch::Tensor& t, c10::ScalarType dtype, int64_t dim, const char* what, bool contiguous) {
+    TORCH_CHECK(t.defined() && t.layout() == torch::kStrided && t.device().is_cpu(), what,
+                " must be a dense CPU tensor, not ", t.defined() ? t.toString() : "undefined", " on ",
+                t.defined() ? t.device().str() : "no device");
+    TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim, what, " must be ", dim, "-D ", c10::toString(dtype),
+                ", not ", t.dim(), "-D ", c10::toString(t.scalar_type()));
+    TORCH_CHECK(!contiguous || t.is_contiguous(), what, " must be contiguous");
+}
+
 BlockView block_view(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m, int64_t bits) {
+    check_tensor(q, torch::kUInt8, 2, "codes");
+    check_tensor(d, torch::kHalf, 2, "scales");
+    check_tensor(m, torch::kHalf, 2, "offsets");
     TORCH_CHECK(bits == 4 || bits == 8, "blocks hold 4- or 8-bit codes, not ", bits);
     TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.is_contiguous(),
                 "codes must be contiguous 2-D uint8 CPU tensors");
@@ -230,6 +242,7 @@ namespace {
 
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m,
                       int64_t bits) {
+    moaspec::check_tensor(x, torch::kFloat32, 2, "x");
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
                 "x must be a contiguous 2-D fp32 CPU tensor");
     const moaspec::BlockView w = moaspec::block_view(q, d, m, bits);

@@ -17,6 +17,11 @@ struct BlockView {
     int64_t rows, cols;
 };
 
+// Checks a tensor handed in from Python before its data pointer is read: defined, strided, on the CPU, of
+// `dtype` and `dim` dimensions, and contiguous unless `contiguous` is false (the caller checks its strides);
+// `what` names it in the error. A meta or CUDA tensor's pointer read as host memory is a segfault, not an error.
+void check_tensor(const torch::Tensor& t, c10::ScalarType dtype, int64_t dim, const char* what, bool contiguous = true);
+
 // A view of the tensors' data, checked; the tensors must outlive it.
 BlockView block_view(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits);
 

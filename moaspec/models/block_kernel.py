@@ -8,30 +8,50 @@ fp32 activations: llama.cpp and ONNX Runtime's int4 kernels round activations to
 dequantise whole matrices per call, torch's int4 kernel wants bf16 activations.
 
 The extension is compiled on first use with torch's own C++ extension tooling (ninja and the
-system's C++ compiler) into the cache (``~/.cache/moaspec/kernels``) and reused from there. Where it cannot
-be (no compiler, a CPU without AVX2/FMA), :func:`kernel` says why once and GGUF targets run on their
-dequantised fp32 weights as before.
+system's C++ compiler) into the cache (``~/.cache/moaspec/kernels/<name with the sources' digest>``) and
+reused from there. Where it cannot be (no compiler, a CPU without AVX2, FMA or F16C), :func:`kernel` says
+why in one line and GGUF targets run on their dequantised fp32 weights as before.
+
+How the build survives faults:
+
+- A build finished once is loaded as a plain module, without ninja or a lock, so another checkout or
+  virtual environment, a copied cache, or a machine without a compiler uses it as it is (ninja
+  rebuilt it from another checkout: its build file names the sources by path).
+- Builds take an OS file lock (``filelock``), which dies with its process: a build killed half-way
+  (SIGKILL, out of memory) leaves nothing that blocks the next run. torch's own lock file, which it
+  waits on forever, lives in a scratch directory that the next build, holding the lock, deletes first.
+- The library is compiled in that scratch directory and only then moved into place, so the name
+  that is loaded is never a half-written file.
+- A process that finds another one compiling says so and waits at most ``BUILD_WAIT_S``, then runs on
+  fp32. A build that fails leaves its reason beside it, so later processes do not try again (delete
+  that file to retry); one with no compiler or no ninja is told so at once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
+import shutil
 import sys
 from dataclasses import dataclass
+from importlib import util
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from filelock import FileLock, Timeout
 
+from moaspec.errors import brief
 from moaspec.models.sources import cache_root
 
 SOURCES = [Path(__file__).with_name(n) for n in ("block_kernel.cpp", "decode_layers.cpp")]
 HEADER = Path(__file__).with_name("block_kernel.h")
 BLOCK = 32  # weights per block along the input dimension
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",  # no contraction: the .cpp's arithmetic is written out
-         "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds, inlined here: without it, one thread
-# (the extension then shares torch's own libgomp.so.1, already loaded, so both use one thread pool)
+BUILD_WAIT_S = 600.0  # longest wait for another process's build (one takes about a minute, several on a busy CPU)
+COMPILER_ERROR = re.compile(r"(fatal )?error( C\d+)?:", re.IGNORECASE)  # gcc's and clang's "error:", MSVC's "error C2065:"
+LIBRARY_SUFFIX = ".pyd" if sys.platform == "win32" else ".so"  # what torch's tooling writes
 
 
 @dataclass(frozen=True)
@@ -103,11 +123,32 @@ _module: ModuleType | None = None
 _why_not: str | None = None
 
 
+class Unavailable(Exception):
+    """The kernel cannot be had here; the message says why, in a few words."""
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags as Linux lists them, or None where they cannot be read (other systems)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith("flags")), None)
+    return None if line is None else set(line.partition(":")[2].split())
+
+
 def cpu_supported() -> str | None:
-    """Why this CPU cannot run the kernel, or ``None``: it needs AVX2 and FMA (x86 CPUs since 2013–2015)."""
+    """Why this CPU cannot run the kernel, or ``None``: it needs AVX2, FMA and F16C (x86 CPUs since 2013–2015).
+
+    torch's capability covers AVX2 and FMA, not F16C (the fp16 scales' conversions), which every such CPU
+    has but a virtual machine may hide; where Linux lists the flags, F16C is checked too.
+    """
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
     if not capability.startswith(("AVX2", "AVX512")):
         return f"this CPU's vector capability is {capability}, and the kernel needs AVX2 with FMA"
+    flags = _cpu_flags()
+    if flags is not None and "f16c" not in flags:
+        return "this CPU does not report F16C (fp16 conversion), which the kernel needs"
     return None
 
 
@@ -121,30 +162,137 @@ def kernel() -> ModuleType | None:
     if _why_not is None:
         try:
             _module = build()
-        except Exception as exc:  # a missing compiler or ninja raises many types: report it, run on fp32
-            _why_not = f"it could not be built ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
+        except Unavailable as exc:
+            _why_not = str(exc)
+        except Exception as exc:  # torch's tooling raises many types: report it, run on fp32
+            _why_not = f"it could not be loaded or built ({type(exc).__name__}: {brief(exc, 200) or 'no message'})"
     if _module is None:
         print(f"moaspec: GGUF targets run on dequantised fp32 weights: {_why_not}", file=sys.stderr)
     return _module
 
 
+def compile_flags(platform: str = sys.platform, openmp: bool = True) -> tuple[list[str], list[str]]:
+    """The compiler's and the linker's flags on ``platform`` (``sys.platform``'s names); ``openmp``: torch runs
+    at::parallel_for on OpenMP, which the kernel inlines (without the flag it runs on one thread)."""
+    if platform == "win32":  # MSVC: intrinsics need no flag; /fp:precise does not contract a*b+c
+        return ["/O2", "/arch:AVX2", "/fp:precise", *(["/openmp"] if openmp else [])], []
+    # no contraction: the .cpp's arithmetic is written out
+    cflags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"]
+    if openmp and platform != "darwin":  # Apple's clang refuses -fopenmp: one thread there
+        # the extension then shares torch's own libgomp.so.1, already loaded, so both use one thread pool
+        return [*cflags, "-fopenmp"], ["-fopenmp"]
+    return cflags, []
+
+
+def _flags() -> tuple[list[str], list[str]]:
+    """This machine's compiler and linker flags (OpenMP where torch itself runs on it)."""
+    return compile_flags(openmp="OpenMP" in torch.__config__.parallel_info())
+
+
+def library_path() -> Path:
+    """Where this checkout's build lives: its name carries the sources', flags' and torch version's digest, so
+    an edited kernel is never confused with an old build (and tests find this build among others')."""
+    cflags, ldflags = _flags()
+    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    digest = hashlib.sha256(code + " ".join(cflags + ldflags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"moaspec_block_kernel_{digest}"
+    return cache_root() / "kernels" / name / f"{name}{LIBRARY_SUFFIX}"
+
+
 def build() -> ModuleType:
-    """Compile (or load the cached build of) the extension; its name carries the source's and flags' digest,
-    so an edited kernel is never confused with an old build."""
+    """Load the cached build of the extension, or compile it (see the module's docstring for the faults this
+    survives), at :func:`library_path`. Raises :class:`Unavailable` when it can be neither."""
+    cflags, ldflags = _flags()
+    library = library_path()
+    name, where = library.stem, library.parent
+    unloadable = False
+    if library.exists():
+        try:
+            return _load(name, library)
+        except ImportError:  # not a build this Python can load (a copy from elsewhere?): build it here
+            unloadable = True
+    failed = where / "failed"
+    if failed.exists():
+        raise Unavailable(f"{failed.read_text(errors='replace').strip()} (remembered: delete {failed} to try again)")
+    _toolchain()
+    where.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(where / "build.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"moaspec: waiting for another process compiling the 4-bit CPU kernel (at most {BUILD_WAIT_S:.0f} s) ...",
+              file=sys.stderr)
+        try:
+            lock.acquire(timeout=BUILD_WAIT_S)
+        except Timeout:
+            raise Unavailable(f"another process has been compiling it for over {BUILD_WAIT_S:.0f} s "
+                              f"(it holds {lock.lock_file})") from None
+    try:
+        if library.exists() and not unloadable:  # built by the process this one waited for
+            return _load(name, library)
+        return _compile(name, where, library, cflags, ldflags)
+    finally:
+        lock.release()
+
+
+def _load(name: str, library: Path) -> ModuleType:
+    """The built extension, imported as the plain module it is (torch, which it links to, is loaded already)."""
+    spec = util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{library} is not a loadable module")
+    module = util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _toolchain() -> None:
+    """Refuse at once, in a few words, where torch's tooling could not compile: no C++ compiler or no ninja
+    (torch would print a banner on the compiler's ABI and end with 'ninja: build stopped')."""
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
-    digest = hashlib.sha256(code + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
-    # torch's parallel backend decides how at::parallel_for runs inside the kernel: OpenMP wants the flag
-    ldflags = ["-fopenmp"] if "OpenMP" in torch.__config__.parallel_info() else []
-    name = f"moaspec_block_kernel_{digest}"
-    where = cache_root() / "kernels" / name
-    where.mkdir(parents=True, exist_ok=True)
-    if not (where / f"{name}.so").exists():
-        print("moaspec: compiling the 4-bit CPU kernel once (about a minute) ...", file=sys.stderr)
-    return cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=FLAGS, extra_ldflags=ldflags,
-                              build_directory=str(where), verbose=False)
+    compiler = os.environ.get("CXX", "cl" if sys.platform == "win32" else "c++")
+    if not compiler.split() or shutil.which(compiler.split()[0]) is None:
+        raise Unavailable(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or clang, or set CXX)")
+    if not cpp_extension.is_ninja_available():
+        raise Unavailable("ninja, which torch compiles extensions with, is not installed (pip install ninja)")
+
+
+def _compile(name: str, where: Path, library: Path, cflags: list[str], ldflags: list[str]) -> ModuleType:
+    """Compile in ``where/build`` (emptied first: a killed build's leftovers, torch's stale lock among them) and
+    move the library into place; a failure is written to ``where/failed`` with the compiler's first error."""
+    from torch.utils import cpp_extension
+
+    scratch = where / "build"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    print("moaspec: compiling the 4-bit CPU kernel once (about a minute) ...", file=sys.stderr)
+    # torch's banner on a compiler other than the g++ it was built with (clang works): a failure says its own reason
+    log = logging.getLogger(cpp_extension.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        module = cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags,
+                                    extra_ldflags=ldflags, build_directory=str(scratch), verbose=False)
+    except Exception as exc:
+        reason = f"it could not be built ({_first_error(exc)})"
+        (where / "failed").write_text(reason + "\n")
+        raise Unavailable(reason) from None
+    finally:
+        log.setLevel(level)
+    partial = library.with_name(library.name + ".partial")
+    shutil.copyfile(scratch / library.name, partial)  # a copy: Windows cannot move a library that is loaded
+    os.replace(partial, library)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return module
+
+
+def _first_error(exc: BaseException) -> str:
+    """The compiler's first error line in torch's message (which ends with ninja's useless 'build stopped'),
+    else the message itself, shortened; never empty."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    error = next((line for line in lines if COMPILER_ERROR.search(line)), None)
+    return brief(error or " ".join(lines) or type(exc).__name__, 200)
 
 
 def _ninja_on_path() -> None:

@@ -169,6 +169,7 @@ struct Scratch {
 };
 
 const float* fp32_rows(const torch::Tensor& t, int64_t rows, int64_t cols, const char* what) {
+    check_tensor(t, torch::kFloat32, 2, what);
     TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 2 && t.size(0) == rows &&
                 t.size(1) == cols, what, " must be contiguous fp32 [", rows, ", ", cols, "]");
     return t.data_ptr<float>();
@@ -193,9 +194,11 @@ public:
             const torch::Tensor* t = &tensors_[15 * l];
             auto view = [&](int i) { return block_view(t[3 * i], t[3 * i + 1], t[3 * i + 2], bits[4 * l + i]); };
             Layer layer{view(0), view(1), view(2), view(3), nullptr, nullptr, nullptr};
-            for (int i = 12; i < 15; ++i)
+            for (int i = 12; i < 15; ++i) {
+                check_tensor(t[i], torch::kFloat32, 1, i == 14 ? "the qkv bias" : "a norm gain");
                 TORCH_CHECK(t[i].scalar_type() == torch::kFloat32 && t[i].is_contiguous() && t[i].dim() == 1,
                             "norm gains and biases must be contiguous 1-D fp32");
+            }
             if (l == 0) {  // run() sizes its scratch by these, so every layer must share them
                 d_ = t[12].numel();
                 inter_ = layer.gate_up.rows / 2;
@@ -229,6 +232,7 @@ public:
         const float* sinp = fp32_rows(sin, T, D_, "sin");
         const bool* allowed = nullptr;
         if (mask.has_value()) {
+            check_tensor(*mask, torch::kBool, 2, "the mask");
             TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 2 &&
                         mask->size(0) == T && mask->size(1) == S, "the mask must be contiguous bool [tokens, cache + tokens]");
             allowed = mask->data_ptr<bool>();
@@ -271,11 +275,13 @@ public:
                         const torch::Tensor& cos, const torch::Tensor& sin) const {
         TORCH_CHECK(cross_, "a self-attention layer runs through run()");
         const int64_t T = check_input(x);
-        for (const torch::Tensor* c : {&keys, &values})
+        for (const torch::Tensor* c : {&keys, &values}) {
+            check_tensor(*c, torch::kFloat32, 4, "memory keys and values", false);
             TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->dim() == 4 && c->size(0) == 1 &&
                         c->size(1) == kv_heads_ && c->size(3) == D_ && c->stride(3) == 1 && c->stride(2) == D_ &&
                         c->stride(1) % D_ == 0 && c->stride(1) >= c->size(2) * D_,
                         "memory keys and values must be fp32 [1, ", kv_heads_, ", entries, ", D_, "] with contiguous rows");
+        }
         TORCH_CHECK(keys.sizes() == values.sizes() && keys.strides() == values.strides(), "keys and values differ in layout");
         const int64_t n = keys.size(2), capacity = keys.stride(1) / D_;
         TORCH_CHECK(n > 0, "there is no entry to attend to");
@@ -299,6 +305,7 @@ public:
 
 private:
     int64_t check_input(const torch::Tensor& x) const {
+        check_tensor(x, torch::kFloat32, 2, "x", false);  // copied with contiguous() before it is read
         TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == d_ &&
                     x.size(0) > 0, "x must be fp32 [tokens, ", d_, "]");
         return x.size(0);
@@ -306,10 +313,12 @@ private:
 
     // The capacity of a cache that must hold layers c0..c1-1.
     int64_t check_cache(const torch::Tensor& keys, const torch::Tensor& values, int64_t c0, int64_t c1) const {
-        for (const torch::Tensor* c : {&keys, &values})
+        for (const torch::Tensor* c : {&keys, &values}) {
+            check_tensor(*c, torch::kFloat32, 5, "the cache");
             TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->is_contiguous() && c->dim() == 5 && c->size(1) == 1 &&
                         c->size(2) == kv_heads_ && c->size(4) == D_ && c0 >= 0 && c1 <= c->size(0), "the cache must be "
                         "contiguous fp32 [layers, 1, ", kv_heads_, ", capacity, ", D_, "] holding these blocks");
+        }
         TORCH_CHECK(keys.sizes() == values.sizes(), "keys and values differ in shape");
         return keys.size(3);
     }

@@ -165,7 +165,7 @@ class Linear(nn.Linear):
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
-        if self.blocks is not None and rows <= BLOCK_MAX_ROWS:
+        if self.blocks is not None and rows <= BLOCK_MAX_ROWS and x.dtype == torch.float32:  # the kernel's is fp32
             y = block_product(x.reshape(rows, self.in_features).contiguous(), self.blocks)
             y = y if self.bias is None else y + self.bias
             return y.reshape(*x.shape[:-1], self.out_features)

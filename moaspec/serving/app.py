@@ -1,20 +1,28 @@
 """The HTTP server: one FastAPI app for the OpenAI API, the chat page and health.
 
 Cross-cutting rules live here, once: bearer-token authentication (constant-time
-comparison), a cap on request bodies (413 before the body is parsed), and errors in
-OpenAI's format. The client–server protocol mounts on the same app.
+comparison), a cap on request bodies (413 before the body is parsed), errors in
+OpenAI's format, and the connection timeouts and access log of :func:`server_config`.
+The client–server protocol mounts on the same app. FastAPI's generated pages
+(``/docs``, ``/openapi.json``) are off: they would answer without the key, and ``/docs``
+loads its scripts from a CDN.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
 import socket
 from importlib import resources
 from typing import Any
 
+import h11
+import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from moaspec.clientserver.sessions import SessionStore
 from moaspec.errors import MoaspecError
@@ -77,17 +85,17 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """Require ``Authorization: Bearer <api_key>`` on the API's paths (``/v1``, ``/cs/v1``) before anything
-    else reads the request, so a client without the key learns nothing, not even whether its body parses.
-    The chat page and ``/health`` stay open."""
+    """Require ``Authorization: Bearer <api_key>`` on every path but the chat page and ``/health``, before
+    anything else reads the request, so a client without the key learns nothing, not even whether its
+    body parses or a route exists."""
 
-    PREFIXES = ("/v1/", "/cs/v1/")
+    OPEN = frozenset({"/", "/health"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.PREFIXES):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             scheme, _, token = header.partition(" ")
             problem = None
@@ -107,8 +115,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, defa
 
     With ``sessions``, the client–server protocol for remote drafters is served too (``/cs/v1``).
     """
-    app = FastAPI(title="moaspec", summary="MoA speculative decoding, OpenAI-compatible", docs_url="/docs",
-                  redoc_url=None)
+    app = FastAPI(title="moaspec", summary="MoA speculative decoding, OpenAI-compatible", docs_url=None,
+                  redoc_url=None, openapi_url=None)
     install_handlers(app)
     app.include_router(OpenAIRoutes(engine, model_name, default_max_tokens).router())
     if sessions is not None:
@@ -151,9 +159,84 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+HEADER_TIMEOUT_S = 10.0  # from a request's first byte to the end of its headers
+IDLE_TIMEOUT_S = 30.0  # a connection with no request under way: just opened, or kept alive after an answer
+
+
+class _Config(uvicorn.Config):
+    """uvicorn's settings, and how long a request's headers may take to arrive."""
+
+    def __init__(self, app: ASGIApp, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.header_timeout = header_timeout
+
+
+class _TimedH11(H11Protocol):
+    """uvicorn's h11 protocol with the two timeouts it lacks.
+
+    uvicorn closes a kept-alive connection that stays idle after an answer, but nothing else: a
+    connection that sends nothing, or half a request line and headers, stays open for good, before
+    authentication can run (200 such connections stayed open indefinitely). Here a new connection
+    is idle like a kept-alive one, and once a request's first byte arrives its headers must be
+    complete within ``header_timeout`` however slowly they trickle in (a byte now and then resets
+    nothing). The body's size is bounded by :class:`BodyLimit`.
+    """
+
+    def __init__(self, config: _Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.header_timeout = config.header_timeout
+        self._headers_due: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        if self._headers_due is None and self.conn.their_state is h11.IDLE:
+            self._headers_due = self.loop.call_later(self.header_timeout, self._headers_late)
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._headers_arrived()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._headers_arrived()
+        super().connection_lost(exc)
+
+    def _headers_arrived(self) -> None:
+        if self._headers_due is not None:
+            self._headers_due.cancel()
+            self._headers_due = None
+
+    def _headers_late(self) -> None:
+        self._headers_due = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.logger.info("closing a connection whose request headers took over %.0f s", self.header_timeout)
+            self.transport.close()
+
+
+class _QueryRedaction(logging.Filter):
+    """Keep query strings out of uvicorn's access log: a URL may carry what the client meant to keep to itself
+    (an API key, a prompt); the log says only that there was one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's: client address, method, path with query, HTTP version, status
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(path := args[2], str):
+            record.args = (*args[:2], path.split("?", 1)[0] + ("?…" if "?" in path else ""), *args[3:])
+        return True
+
+
+def server_config(app: FastAPI, log_level: str = "info", header_timeout: float = HEADER_TIMEOUT_S,
+                  idle_timeout: float = IDLE_TIMEOUT_S) -> uvicorn.Config:
+    """uvicorn's settings for ``app``: h11 (the same protocol, and the same timeouts, whether or not httptools is
+    installed), the timeouts of :class:`_TimedH11`, and an access log without query strings."""
+    config = _Config(app, header_timeout, http=_TimedH11, log_level=log_level, timeout_graceful_shutdown=5,
+                     timeout_keep_alive=idle_timeout)
+    access = logging.getLogger("uvicorn.access")  # configured by now: uvicorn.Config sets its loggers up
+    if not any(isinstance(f, _QueryRedaction) for f in access.filters):
+        access.addFilter(_QueryRedaction())
+    return config
+
+
 def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
     """Serve ``app`` on ``sock`` with uvicorn until interrupted."""
-    import uvicorn
-
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=30)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(server_config(app, log_level)).run(sockets=[sock])

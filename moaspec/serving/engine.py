@@ -8,7 +8,7 @@ queued without bound. Torch releases the GIL inside its kernels, so parallel req
 do progress together. A request whose client goes away is cancelled at its next
 token, or within one chunk of its prompt's prefill (a long prompt's prefill takes
 seconds on a CPU: 23 s for 7,900 tokens here); one cancelled while still waiting never
-starts. With a :class:`~moaspec.decoding.prefill.PromptCache`, a request whose prompt
+starts, and gives its place in the queue back at once. With a :class:`~moaspec.decoding.prefill.PromptCache`, a request whose prompt
 begins with one read recently, and its answer (a conversation's next turn), reads only
 the rest.
 """
@@ -19,7 +19,7 @@ import asyncio
 import threading
 from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -157,14 +157,13 @@ class Engine:
                 self._release()
                 release_free_memory()  # the request's cache and drafter state are freed by now
 
-        submitted = 0
+        jobs: list[Future[None]] = []
         try:
             for i, (prompt_ids, config) in enumerate(zip(prompts, configs, strict=True)):
-                self._pool.submit(work, i, prompt_ids, config)
-                submitted += 1
+                jobs.append(self._pool.submit(work, i, prompt_ids, config))
         except BaseException:
             cancel.set()
-            for _ in range(len(configs) - submitted):
+            for _ in range(len(configs) - len(jobs)):
                 self._release()
             raise
         try:
@@ -177,6 +176,9 @@ class Engine:
                 finished += isinstance(item, GenerationResult)
         finally:
             cancel.set()
+            for job in jobs:  # one still queued never runs: its place is given back here, not when a worker gets to it
+                if job.cancel():
+                    self._release()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -3,6 +3,9 @@
 Every failure a client can cause — bad JSON or parameters, a wrong key, an unknown
 model or route, an oversized body, a full server — leaves as one of these with a
 4xx/503 status and a sentence saying what to change; the server keeps serving.
+A message quotes what the client sent only through :func:`shown`, so a 5,000-digit
+number or a megabyte of text is not sent back, and a lone surrogate (valid JSON, not
+UTF-8) cannot turn the answer into a failure to encode it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, encodable, shown
 from moaspec.serving.engine import Overloaded
 
 log = logging.getLogger("moaspec.serve")
@@ -27,6 +30,7 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invali
 
 
 UNION_BRANCHES = frozenset({"str", "int", "float", "bool", "none"})
+MESSAGE_CHARS = 1000  # of a whole message
 
 
 class APIError(Exception):
@@ -34,6 +38,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = encodable(message)
+        if len(message) > MESSAGE_CHARS:
+            message = message[:MESSAGE_CHARS] + "…"
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type = type or TYPES.get(status, "server_error")
@@ -49,7 +56,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     e = errors[0]
     # a union's failed branch is named in the location ('str', 'list[TextPart]', ...): not a parameter name
-    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not (isinstance(x, str) and (x in UNION_BRANCHES or "[" in x))]
+    loc = [shown(x) for x in e.get("loc", ()) if x != "body" and not (isinstance(x, str) and (x in UNION_BRANCHES or "[" in x))]
     if e.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     if e.get("type") == "extra_forbidden":

@@ -13,6 +13,10 @@ in its own slot; presence and frequency penalties and ``logit_bias`` apply to th
 target's verification of every draft; ``echo`` repeats the prompt, with its tokens'
 log-probabilities when asked (from the prefill's final states). Parameters moaspec
 cannot honour (tools, ``best_of``) are refused with a 400 rather than silently ignored.
+
+A request's prompts are counted against the server's capacity before any of them is read,
+and they are tokenised (and chat templates rendered) on a worker thread: a megabyte of
+prompts must not hold up the event loop, which answers every other client and ``/health``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
+import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
@@ -39,14 +44,17 @@ from moaspec.decoding.generation import (
 )
 from moaspec.decoding.logprobs import LogprobFormat, TokenBytes
 from moaspec.decoding.sampling import SamplingParams, logit_bias_pairs
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, shown
 from moaspec.serving.disconnect import unless_disconnected
 from moaspec.serving.engine import Engine, Piece
 from moaspec.serving.errors import APIError
+from moaspec.serving.json_limits import BoundedRoute
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # OpenAI takes 4; evaluation harnesses send a task's stop strings and the end-of-text token, often more
 MAX_STOPS = 16
+MAX_STOP_CHARS = 1000  # each; a task's stop strings are a few words
+MAX_TOKEN_ID_DIGITS = 20  # logit_bias keys: a token id is far shorter, and int() refuses strings of over 4,300 digits
 
 
 class TextPart(BaseModel):
@@ -76,7 +84,8 @@ class Adjustments(BaseModel):
     model_config = ConfigDict(extra="forbid")
     presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    logit_bias: dict[Annotated[str, Field(max_length=MAX_TOKEN_ID_DIGITS)],
+                     Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
 
     def bias(self, vocab_size: int, param: str = "logit_bias") -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; its keys are token ids written as strings (``param``: the
@@ -109,6 +118,8 @@ class _Common(Adjustments):
             raise APIError(400, "a stop string must not be empty", param="stop")
         if len(stops) > MAX_STOPS:
             raise APIError(400, f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
         return tuple(stops)
 
 
@@ -132,6 +143,11 @@ class CompletionRequest(_Common):
 
     def alternatives(self) -> int | None:
         return self.logprobs
+
+    def items(self) -> list[str | list[int]]:
+        """The prompts: one (a string, or a list of token ids), or each of a batch."""
+        raw = self.prompt
+        return [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw  # type: ignore[return-value]
 
 
 def _usage(results: Sequence[GenerationResult], n: int) -> dict[str, Any]:
@@ -174,7 +190,7 @@ class OpenAIRoutes:
         self.token_bytes = TokenBytes(engine.target.tokenizer)
 
     def router(self) -> APIRouter:
-        r = APIRouter(prefix="/v1")
+        r = APIRouter(prefix="/v1", route_class=BoundedRoute)
         r.add_api_route("/models", self.models, methods=["GET"])
         r.add_api_route("/models/{model_id:path}", self.model, methods=["GET"])
         r.add_api_route("/chat/completions", self.chat, methods=["POST"])
@@ -196,7 +212,7 @@ class OpenAIRoutes:
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+            raise APIError(404, f"The model '{shown(name)}' does not exist; this server serves '{self.model_name}'",
                            type="invalid_request_error", param="model", code="model_not_found")
 
     # --- generation ---------------------------------------------------------------------
@@ -227,18 +243,30 @@ class OpenAIRoutes:
         except MoaspecError as exc:
             raise APIError(400, str(exc), param=param) from None
 
+    def _check_capacity(self, req: _Common, prompts: int) -> None:
+        """Refuse more choices than the server holds at once, before any prompt is read."""
+        total = req.n * prompts
+        if total > self.engine.capacity:
+            raise APIError(400, f"{total} choices ({prompts} prompts × n = {req.n}) are more than this server "
+                                f"decodes and queues at once ({self.engine.capacity})", param="n")
+
     async def chat(self, req: ChatRequest, request: Request) -> Any:
         self._check_model(req.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        ids = self._encode(lambda: encode_chat(self.engine.target.tokenizer, messages), "messages")
-        config = self._config(req, len(ids), req.max_completion_tokens or req.max_tokens)
+        self._check_capacity(req, 1)
+
+        def prepare() -> tuple[list[int], GenerationConfig]:
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+            ids = self._encode(lambda: encode_chat(self.engine.target.tokenizer, messages), "messages")
+            return ids, self._config(req, len(ids), req.max_completion_tokens or req.max_tokens)
+
+        ids, config = await anyio.to_thread.run_sync(prepare)
         return await self._respond(req, request, [ids], [config], chat=True)
 
     def _prompts(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
         """The request's prompts (one, or a batch) as token ids, each with its text (what ``echo`` repeats)."""
         vocab, tokenizer = self.engine.target.cfg.vocab_size, self.engine.target.tokenizer
-        raw = req.prompt
-        items: list[str | list[int]] = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw  # type: ignore[assignment]
+        items = req.items()
         if not items:
             raise APIError(400, "the prompt is empty", param="prompt")
         prompts = []
@@ -250,7 +278,8 @@ class OpenAIRoutes:
                 ids = list(item)
                 bad = outside_vocabulary(ids, vocab)
                 if bad is not None:
-                    raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+                    raise APIError(400, f"prompt token id {shown(bad)} is outside the vocabulary [0, {vocab})",
+                                   param="prompt")
                 text = str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt")
@@ -265,8 +294,14 @@ class OpenAIRoutes:
         if scoring and (not req.echo or req.stream):
             raise APIError(400, "max_tokens 0 scores the prompt: it needs echo, and is answered whole (no stream)",
                            param="max_tokens")
-        prompts = self._prompts(req)
-        configs = [self._config(req, len(ids), 1 if scoring else req.max_tokens, echo=req.echo) for ids, _ in prompts]
+        self._check_capacity(req, len(req.items()))
+
+        def prepare() -> tuple[list[tuple[list[int], str]], list[GenerationConfig]]:
+            prompts = self._prompts(req)
+            return prompts, [self._config(req, len(ids), 1 if scoring else req.max_tokens, echo=req.echo)
+                             for ids, _ in prompts]
+
+        prompts, configs = await anyio.to_thread.run_sync(prepare)
         return await self._respond(req, request, [ids for ids, _ in prompts], configs, chat=False,
                                    echoes=[text for _, text in prompts] if req.echo else None, scoring=scoring)
 
@@ -274,10 +309,6 @@ class OpenAIRoutes:
                  ) -> tuple[list[list[int]], list[GenerationConfig]]:
         """Each prompt's ``n`` choices, choice ``j`` of prompt ``p`` at index ``p·n + j`` (OpenAI's order): their
         prompts and configs. With a ``seed``, choice ``j`` samples with ``seed + j`` (choice 0 as when n = 1)."""
-        total = req.n * len(prompts)
-        if total > self.engine.capacity:
-            raise APIError(400, f"{total} choices ({len(prompts)} prompts × n = {req.n}) are more than this server "
-                                f"decodes and queues at once ({self.engine.capacity})", param="n")
         choices: list[GenerationConfig] = []
         for config in configs:
             seed = config.sampling.seed
