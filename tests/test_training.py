@@ -700,8 +700,8 @@ def test_trains_on_several_data_directories(tiny_llama, tiny_data: Path, tmp_pat
     shutil.copytree(tiny_data, second, ignore=shutil.ignore_patterns("features"))  # the same record ids
     one = Trainer(tiny_llama, tiny_data, tmp_path / "one", small(steps=2, save_every=2), progress=False)
     both = Trainer(tiny_llama, [tiny_data, second], tmp_path / "both", small(steps=4, save_every=4), progress=False)
-    assert len(both.train_set) == 2 * len(one.train_set) and len(both.val_set) == 2 * len(one.val_set)
-    assert {ex.source for ex in both.train_set} == {0, 1}
+    assert len(both.data.train_set) == 2 * len(one.data.train_set) and len(both.data.val_set) == 2 * len(one.data.val_set)
+    assert {ex.source for ex in both.data.train_set} == {0, 1}
     both.train()
     progress = json.loads((tmp_path / "both" / "progress.json").read_text())
     shards = len(json.loads((tiny_data / "manifest.json").read_text())["shards"])
