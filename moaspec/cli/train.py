@@ -50,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     arms = t.add_mutually_exclusive_group()
     arms.add_argument("--arm", action="append", default=None, metavar="NAME[=OPTIONS]",
                       help="train this drafter beside the others given, on the same batches, the target's features "
-                           "computed once for all (repeat the option, one per drafter); OPTIONS are the per-drafter "
+                           "computed once for all (repeat the option, one per drafter; a single one trains in "
+                           "OUTPUT/NAME alone); OPTIONS are the per-drafter "
                            "options below, quoted, on top of those given outside --arm (e.g. --arm "
                            "moa-cont='--kind moa --init-from DIR --lr 4e-4'); a NAME alone is a --kind; "
                            "each drafter trains in OUTPUT/NAME with its own optimizer, schedule, random stream and "
@@ -202,8 +203,6 @@ def drafter_settings(args: argparse.Namespace) -> list[tuple[str, argparse.Names
         except ValueError as exc:
             raise MoaspecError(f"--arm {name}: its options cannot be read ({exc})") from None
         arms.append((name, parser.parse_args(words, namespace=copy.copy(args))))
-    if len(arms) < 2:
-        raise MoaspecError("--arm trains several drafters together: give two or more (one drafter needs no --arm)")
     return arms
 
 
@@ -282,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         raise MoaspecError(f"--time-limit must be > 0 seconds; got {args.time_limit:g}")
     arms = drafter_settings(args)
     outputs = [Path(args.output) / name for name, _ in arms]  # one drafter: --output itself
-    if len(arms) > 1 and (Path(args.output) / RUN_MARKER).is_file():
+    if arms[0][0] and (Path(args.output) / RUN_MARKER).is_file():  # named drafters: OUTPUT/NAME each
         raise MoaspecError(f"--output {args.output} holds a run of one drafter; drafters trained together each "
                            "get a directory under --output: name another")
     for out in outputs:

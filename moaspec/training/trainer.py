@@ -793,8 +793,19 @@ class Trainer:
         return [tokens, cycles, float(hits[0]), float(cases[0])]
 
 
+def out_of_time(acc: Any, mine: bool) -> bool:
+    """Whether the run is out of time, as the main process sees it: every process stops at the same update."""
+    if acc.num_processes == 1:
+        return mine  # no host synchronisation for one process
+    from accelerate.utils import broadcast_object_list
+
+    decision = [mine]
+    broadcast_object_list(decision)
+    return bool(decision[0])
+
+
 def train_together(trainers: Sequence[Trainer], until: int | None = None,
-                   timings: dict[str, float] | None = None) -> list[dict[str, Any]]:
+                   timings: dict[str, float] | None = None, time_limit: float | None = None) -> list[dict[str, Any]]:
     """Train several drafters on the same batches, each to its ``cfg.steps`` (or to update ``until``, saved).
 
     Every micro-batch is drawn once and the target's features computed once, then each drafter
@@ -803,6 +814,8 @@ def train_together(trainers: Sequence[Trainer], until: int | None = None,
     on these batches. Drafters resumed at different updates (a run stopped between two drafters'
     saves) catch up: one ahead waits for the others. ``timings`` (a benchmark's): seconds spent on
     the target's features and on each drafter, the device synchronised between them (slower).
+    ``time_limit``: seconds after which the update under way is the last, saved like ``until``'s, so that a
+    run in a fixed slot of machine time keeps what it learnt (a later run resumes it).
     """
     if not trainers:
         raise MoaspecError("no drafter to train")
@@ -811,6 +824,7 @@ def train_together(trainers: Sequence[Trainer], until: int | None = None,
         raise MoaspecError("drafters trained together must share one TrainingData")
     if len({t.out.resolve() for t in trainers}) < len(trainers):
         raise MoaspecError("two drafters trained together were given the same run directory")
+    started = time.perf_counter()  # the time limit counts the evaluation of drafters continued, below
     ends = [t.cfg.steps if until is None else min(until, t.cfg.steps) for t in trainers]
     main = trainers[0].acc
     bar = progress_bar(total=max(ends), initial=min(t.step for t in trainers), unit="step", desc="moaspec train",
@@ -846,6 +860,9 @@ def train_together(trainers: Sequence[Trainer], until: int | None = None,
             for t, _ in active:
                 t.micro_batch(batch, tgt)
                 tick = synchronised(t.out.name, tick)
+        if time_limit is not None and out_of_time(main, time.perf_counter() - started >= time_limit):
+            ends = [min(end, step + 1) for end in ends]  # this update is the last: saved, resumable
+            active = [(t, min(end, step + 1)) for t, end in active]
         due = [t.end_update(end) for t, end in active]
         dt = time.perf_counter() - t0
         for (t, end), row in zip(active, due):
