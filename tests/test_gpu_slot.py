@@ -19,7 +19,7 @@ from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.errors import MoaspecError
 from moaspec.training.carry import pack, unpack
 from moaspec.training.trainer import Trainer, read_progress, train_together
-from test_training import read_log, small, tiny_data  # noqa: F401 (a fixture)
+from test_training import read_log, small
 
 REPO = Path(__file__).resolve().parent.parent
 

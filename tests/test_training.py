@@ -26,16 +26,6 @@ from tiny import accepting_gibberish
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tiny_llama, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    """Distillation data written by the tiny target (any non-empty prompt accepted: it writes gibberish)."""
-    out = tmp_path_factory.mktemp("data") / "d"
-    with accepting_gibberish():
-        generate_dataset(tiny_llama, out, DataConfig(examples=48, shard_size=16, batch_size=16, max_query_tokens=16,
-                                                     max_answer_tokens=48, multi_turn=0.3), progress=False)
-    return out
-
-
 def small(**kw) -> TrainConfig:  # type: ignore[no-untyped-def]
     # fp32 unless a test asks otherwise: "auto" is bf16 on CPUs with bf16 kernels, and a test's exact figures should
     # not depend on the machine it runs on (bf16 has tests of its own)

@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,9 +67,15 @@ def pack(drafter: Path, stem: Path, max_bytes: int = MAX_BYTES) -> list[Path]:
         old.unlink()
     paths = [part_path(stem, k, len(parts)) for k in range(1, len(parts) + 1)]
     for k, (path, part) in enumerate(zip(paths, parts), 1):
-        meta = {CONFIG_KEY: config, "part": f"{k}/{len(parts)}"}
-        atomic_write(path, lambda p, part=part, meta=meta: save_file(part, str(p), metadata=meta))
+        atomic_write(path, writer(part, {CONFIG_KEY: config, "part": f"{k}/{len(parts)}"}))
     return paths
+
+
+def writer(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Callable[[Path], None]:
+    """What writes one packed file (bound now: the loop's next part must not replace it)."""
+    def write(path: Path) -> None:
+        save_file(tensors, str(path), metadata=meta)
+    return write
 
 
 def packed_files(stem: Path) -> list[Path]:
