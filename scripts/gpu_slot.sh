@@ -22,7 +22,8 @@
 #        DATA_S (180), PROCS (4), DATA_BATCH (256), DATA_DTYPE (float32: the deployed target's answers;
 #        bfloat16 is faster), PROMPTS (files or directories for `moaspec data --prompts`; default: the target
 #        writes its own prompts), EXCLUDE (a SpecBench-format directory whose questions the data leaves out),
-#        DATA_OPTIONS (more `moaspec data` options), FROM (an earlier slot's RESULTS), TOKENS_PER_BATCH (32768),
+#        DATA_OPTIONS (more `moaspec data` options), EXTRA_DATA (data directories written earlier, trained on
+#        beside the new ones), FROM (an earlier slot's RESULTS), TOKENS_PER_BATCH (32768),
 #        LR (4e-4), TRAIN_OPTIONS (more `moaspec train` options), PROBE_OPTIONS (more probe options),
 #        WORK (a scratch directory: /tmp/moaspec-slot), PYTHON (python3).
 set -uo pipefail
@@ -97,6 +98,8 @@ READY=()
 for d in "${DATA[@]}"; do
     if [ -f "$d/manifest.json" ]; then READY+=("$d"); else log "$d has no finished shard (see $d.log)"; fi
 done
+read -r -a EXTRA <<< "${EXTRA_DATA:-}"
+READY+=("${EXTRA[@]}")
 [ ${#READY[@]} -gt 0 ] || { log "no data was written: nothing to train on"; exit 1; }
 "$PYTHON" -c "
 import json, sys
