@@ -74,13 +74,10 @@ def train(target, data: Path, work: Path, args: argparse.Namespace) -> dict[str,
     train_together(trainers, timings=timings, until=args.warmup + args.max_updates, time_limit=args.train_seconds)
     wall = time.perf_counter() - t0
     updates = trainers[0].step - first
-    arms = {}
-    for t in trainers:
-        name = t.out.name
-        tokens = t.tokens - tokens0[name]  # the last update writes a row: every token is counted
-        arms[name] = {"loss_tokens": tokens, "seconds": round(timings.get(name, 0.0), 2),
-                      "loss_tokens_per_s": round(tokens / wall, 1)}
-    together = sum(int(a["loss_tokens"]) for a in arms.values())  # type: ignore[call-overload]
+    learnt = {t.out.name: t.tokens - tokens0[t.out.name] for t in trainers}  # the last update logs: all counted
+    arms = {name: {"loss_tokens": n, "seconds": round(timings.get(name, 0.0), 2), "loss_tokens_per_s": round(n / wall, 1)}
+            for name, n in learnt.items()}
+    together = sum(learnt.values())
     return {"updates": updates, "train_s": round(wall, 2), "s_per_update": round(wall / max(updates, 1), 4),
             "target_s": round(timings.get("target", 0.0), 2), "arms": arms,
             "loss_tokens_per_s_together": round(together / wall, 1)}

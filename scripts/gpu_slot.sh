@@ -115,7 +115,7 @@ for arm in moa eagle; do
         cp -r "$SHIPPED-$arm" "$WORK/start/$arm"
     fi
 done
-TRAIN_S=$(( $(left) - 10 ))  # 10 s for the target to load and the drafters to start
+TRAIN_S=$(( $(left) - 30 ))  # 30 s for the target to load, the drafters to start and the last save
 [ "$TRAIN_S" -gt 0 ] || { log "no time left to train"; exit 1; }
 STEPS=$("$PYTHON" -c "import sys; s = sys.argv[1]; print(max(1, int(0.9 * int(sys.argv[2]) / float(s))) if s else 10**6)" \
     "$S_PER_UPDATE" "$TRAIN_S")
