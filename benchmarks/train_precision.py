@@ -71,14 +71,14 @@ def main() -> None:
             t = Trainer(lm, [Path(d) for d in args.data], Path(out), cfg, progress=False, compile=compiled)
         optim = torch.optim.AdamW(t.raw.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         variants.append(Variant(name, bf16, t.raw, optim))
-    stream = batch_stream(t.examples_for, cfg.tokens_per_batch, cfg.seed, 0, 1)
+    stream = batch_stream(t.data.examples_for, cfg.tokens_per_batch, cfg.seed, 0, 1)
     gen = torch.Generator().manual_seed(args.seed)
     batches = []
     for _ in range(args.batches):  # features computed here, untimed, as the feature cache would serve them
         batch = next(stream)
         masks = build_masks(batch, gen, torch.zeros(batch.tokens.shape[0], dtype=torch.bool), cfg.segment_min,
                             cfg.segment_max)
-        batches.append((batch, masks, t.target_features(batch)))
+        batches.append((batch, masks, t.data.target_features(batch)))
 
     def backward(v: Variant, batch, masks, tgt) -> float:  # type: ignore[no-untyped-def]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=v.bf16):

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Distillation on one GPU within a wall-clock budget: the target writes its own data for
 # DATA_S seconds (several `moaspec data` processes, each its own seed and directory), then
-# a MoA drafter and an EAGLE drafter (or the DRAFTERS listed) train side by side on exactly
-# the same batches for about TRAIN_S seconds. The number of updates comes from a 30-update
-# calibration of each (timed from its 10th update on), so the cosine schedule ends when the budget does.
+# a MoA drafter and an EAGLE drafter (or the DRAFTERS listed) train in one process on the same
+# batches, the target's features computed once for all of them (`moaspec train --arm`), for about
+# TRAIN_S seconds. The number of updates comes from a 30-update calibration (timed from its 10th
+# update on), so the cosine schedule ends when the budget does.
 #
 # Usage: scripts/distill_on_gpu.sh OUT [extra `moaspec train` options...]
 #   env: MODEL (default smollm2), PROCS (4), DATA_S (300), TRAIN_S (600), MOASPEC (python3 -m moaspec),
@@ -82,26 +83,20 @@ done
 read -r -a EXTRA <<< "${EXTRA_DATA:-}"
 COMMON=(--model "$MODEL" --dtype float32 --data "${DATA[@]}" "${EXTRA[@]}" --tokens-per-batch 16384 --lr 8e-4 --warmup 100
         --max-len 1024 --no-feature-cache --no-progress "$@")
-log "calibration: 30 updates of each drafter (${DRAFTERS[*]}), side by side"
-for k in "${DRAFTERS[@]}"; do
-    "${MOASPEC[@]}" train "${COMMON[@]}" $(options "$k") --output "$OUT/cal-$k" --steps 30 --eval-every 1000 --save-every 1000 \
-        > "$OUT/cal-$k.log" 2>&1 &
-done
-wait
+ARMS=()
+for k in "${DRAFTERS[@]}"; do ARMS+=(--arm "$k=$(options "$k")"); done
+log "calibration: 30 updates of the drafters together (${DRAFTERS[*]})"
+"${MOASPEC[@]}" train "${COMMON[@]}" "${ARMS[@]}" --output "$OUT/cal" --steps 30 --eval-every 1000 --save-every 1000 \
+    > "$OUT/cal.log" 2>&1
 # An update's cost is timed between the 10th and the 30th (train_log.csv logs every update's wall_s):
 # the whole run's average counts start-up and overestimated it 1.9x on an H100 (2026-11-25).
 STEPS=$(python3 -c "
 import csv
-def cost(k):
-    wall = {int(r['step']): float(r['wall_s']) for r in csv.DictReader(open(f'$OUT/cal-{k}/train_log.csv'))}
-    return (wall[30] - wall[10]) / 20
-print(max(100, int(0.88 * $TRAIN_S / max(cost(k) for k in '${DRAFTERS[*]}'.split()))))") \
-    || { echo "calibration failed: see $OUT/cal-*.log" >&2; exit 1; }
+wall = {int(r['step']): float(r['wall_s']) for r in csv.DictReader(open('$OUT/cal/${DRAFTERS[0]}/train_log.csv'))}
+print(max(100, int(0.88 * $TRAIN_S / ((wall[30] - wall[10]) / 20))))") \
+    || { echo "calibration failed: see $OUT/cal.log" >&2; exit 1; }
 log "training: $STEPS updates each"
-for k in "${DRAFTERS[@]}"; do
-    "${MOASPEC[@]}" train "${COMMON[@]}" $(options "$k") --output "$OUT/$k" --steps "$STEPS" --eval-every 250 --save-every 100 \
-        > "$OUT/$k.log" 2>&1 &
-done
-wait
-for k in "${DRAFTERS[@]}"; do tail -n 2 "$OUT/$k.log"; done
+"${MOASPEC[@]}" train "${COMMON[@]}" "${ARMS[@]}" --output "$OUT" --steps "$STEPS" --eval-every 250 --save-every 100 \
+    > "$OUT/train.log" 2>&1 || { echo "training failed: see $OUT/train.log" >&2; exit 1; }
+tail -n "$(( 2 * ${#DRAFTERS[@]} ))" "$OUT/train.log"
 log "done: $(printf "$OUT/%s/drafter " "${DRAFTERS[@]}")"

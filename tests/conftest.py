@@ -77,3 +77,16 @@ def slow_prefill(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> list[int]:  # t
 
     monkeypatch.setattr(model, "run_blocks", slow)
     return chunks
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_llama, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    """Distillation data (one set per test module) written by the tiny target (any non-empty prompt accepted: it writes gibberish)."""
+    from moaspec.training.datagen import DataConfig, generate_dataset
+    from tiny import accepting_gibberish
+
+    out = tmp_path_factory.mktemp("data") / "d"
+    with accepting_gibberish():
+        generate_dataset(tiny_llama, out, DataConfig(examples=48, shard_size=16, batch_size=16, max_query_tokens=16,
+                                                     max_answer_tokens=48, multi_turn=0.3), progress=False)
+    return out

@@ -26,16 +26,6 @@ from tiny import accepting_gibberish
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tiny_llama, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
-    """Distillation data written by the tiny target (any non-empty prompt accepted: it writes gibberish)."""
-    out = tmp_path_factory.mktemp("data") / "d"
-    with accepting_gibberish():
-        generate_dataset(tiny_llama, out, DataConfig(examples=48, shard_size=16, batch_size=16, max_query_tokens=16,
-                                                     max_answer_tokens=48, multi_turn=0.3), progress=False)
-    return out
-
-
 def small(**kw) -> TrainConfig:  # type: ignore[no-untyped-def]
     # fp32 unless a test asks otherwise: "auto" is bf16 on CPUs with bf16 kernels, and a test's exact figures should
     # not depend on the machine it runs on (bf16 has tests of its own)
@@ -700,8 +690,8 @@ def test_trains_on_several_data_directories(tiny_llama, tiny_data: Path, tmp_pat
     shutil.copytree(tiny_data, second, ignore=shutil.ignore_patterns("features"))  # the same record ids
     one = Trainer(tiny_llama, tiny_data, tmp_path / "one", small(steps=2, save_every=2), progress=False)
     both = Trainer(tiny_llama, [tiny_data, second], tmp_path / "both", small(steps=4, save_every=4), progress=False)
-    assert len(both.train_set) == 2 * len(one.train_set) and len(both.val_set) == 2 * len(one.val_set)
-    assert {ex.source for ex in both.train_set} == {0, 1}
+    assert len(both.data.train_set) == 2 * len(one.data.train_set) and len(both.data.val_set) == 2 * len(one.data.val_set)
+    assert {ex.source for ex in both.data.train_set} == {0, 1}
     both.train()
     progress = json.loads((tmp_path / "both" / "progress.json").read_text())
     shards = len(json.loads((tiny_data / "manifest.json").read_text())["shards"])
@@ -884,3 +874,97 @@ def test_the_authors_recipe_trains(tiny_llama, tiny_data: Path, tmp_path: Path, 
     if kind == "moa":
         assert drafter.cfg.ca_reach == 5  # a 6-position segment whose start reads itself reaches 5 past it
     assert 1.0 <= summary["last_val"]["val_tau_decode"] <= 7.0
+
+
+def drafter_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "drafter" / "model.safetensors"))
+
+
+def test_drafters_trained_together_end_as_each_trained_alone(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """MoA and EAGLE trained together, on batches drawn once and features computed once, end with the weights and
+    losses of each trained alone: each keeps its own optimizer, schedule and random stream (EAGLE's feature noise
+    is drawn from torch's global generator, which MoA's updates would otherwise advance). A row every 2 updates
+    reports the mean of those updates' losses and changes no weight."""
+    from moaspec.training.trainer import train_together
+
+    cfgs = {"moa": small(steps=4, save_every=4, eval_every=100),
+            "eagle": small(kind="eagle", steps=4, save_every=4, eval_every=100, lr=1e-3)}
+    for name, cfg in cfgs.items():
+        Trainer(tiny_llama, tiny_data, tmp_path / "alone" / name, cfg, progress=False).train()
+    moa = Trainer(tiny_llama, tiny_data, tmp_path / "together" / "moa", cfgs["moa"], progress=False)
+    eagle = Trainer(tiny_llama, moa.data, tmp_path / "together" / "eagle",
+                    TrainConfig(**{**cfgs["eagle"].__dict__, "log_every": 2}), progress=False)
+    summaries = train_together([moa, eagle])
+    assert [s["steps"] for s in summaries] == [4, 4] and all(s["finished"] for s in summaries)
+    for name in cfgs:
+        alone, together = drafter_weights(tmp_path / "alone" / name), drafter_weights(tmp_path / "together" / name)
+        assert alone.keys() == together.keys()
+        for k in alone:
+            torch.testing.assert_close(together[k], alone[k], msg=f"{name}: {k}")
+    alone_log = read_log(tmp_path / "alone" / "moa" / "train_log.csv")
+    together_log = read_log(tmp_path / "together" / "moa" / "train_log.csv")
+    assert [(r["tokens"], r["loss"]) for r in together_log] == [(r["tokens"], r["loss"]) for r in alone_log]
+    alone_log = read_log(tmp_path / "alone" / "eagle" / "train_log.csv")
+    rows = read_log(tmp_path / "together" / "eagle" / "train_log.csv")
+    assert [r["step"] for r in rows] == ["2", "4"] and [r["tokens"] for r in rows] == [alone_log[1]["tokens"],
+                                                                                      alone_log[3]["tokens"]]
+    for row, pair in zip(rows, (alone_log[:2], alone_log[2:])):
+        assert float(row["loss"]) == pytest.approx(sum(float(r["loss"]) for r in pair) / 2, abs=2e-5)
+    assert torch.equal(moa.raw.draft_vocab, eagle.raw.draft_vocab)  # one draft vocabulary, computed once
+
+
+def test_a_drafter_behind_catches_up_and_mismatched_drafters_are_refused(tiny_llama, tiny_data: Path,  # type: ignore[no-untyped-def]
+                                                                         tmp_path: Path) -> None:
+    """A run stopped between two drafters' saves resumes: the drafter behind trains alone until it reaches the
+    other, then both go on together; each ends as trained alone. Drafters that would batch the data otherwise,
+    or share a run directory, are refused."""
+    from moaspec.training.trainer import train_together
+
+    moa_cfg, eagle_cfg = small(steps=3, save_every=1, eval_every=100), small(kind="eagle", steps=3, save_every=1,
+                                                                             eval_every=100)
+    Trainer(tiny_llama, tiny_data, tmp_path / "alone", eagle_cfg, progress=False).train()
+    Trainer(tiny_llama, tiny_data, tmp_path / "moa-alone", moa_cfg, progress=False).train()
+    Trainer(tiny_llama, tiny_data, tmp_path / "run" / "moa", moa_cfg, progress=False).train(until=2)  # as if stopped
+    moa = Trainer(tiny_llama, tiny_data, tmp_path / "run" / "moa", moa_cfg, progress=False)
+    eagle = Trainer(tiny_llama, moa.data, tmp_path / "run" / "eagle", eagle_cfg, progress=False)
+    assert (moa.step, eagle.step) == (2, 0)
+    train_together([moa, eagle])
+    for alone, together in (("alone", "eagle"), ("moa-alone", "moa")):
+        a, b = drafter_weights(tmp_path / alone), drafter_weights(tmp_path / "run" / together)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], msg=f"{together}: {k}")
+    with pytest.raises(MoaspecError, match=r"same --tokens-per-batch \(512 against 1024\)"):
+        Trainer(tiny_llama, moa.data, tmp_path / "x", small(kind="eagle", tokens_per_batch=1024), progress=False)
+    with pytest.raises(MoaspecError, match="same run directory"):
+        train_together([moa, Trainer(tiny_llama, moa.data, tmp_path / "run" / "moa", moa_cfg, progress=False)])
+
+
+def test_train_cli_trains_several_drafters_in_one_process(tiny_dirs, tiny_llama, tiny_data: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                          capsys) -> None:
+    """`moaspec train --arms moa,eagle` (or --arm NAME=OPTIONS, one per drafter) writes one run directory per
+    drafter; an arm's bad option is named with the arm, before the target loads."""
+    from moaspec.cli import main
+    from moaspec.drafters import load_drafter
+    from moaspec.drafters.eagle import EagleDrafter
+    from moaspec.drafters.moa import MoADrafter
+
+    base = ["train", "--model", str(tiny_dirs["llama"]), "--data", str(tiny_data), "--steps", "2", "--tokens-per-batch",
+            "512", "--draft-vocab", "128", "--val-fraction", "0.1", "--eval-every", "100", "--save-every", "2",
+            "--mixed-precision", "no", "--no-progress"]
+    assert main([*base, "--output", str(tmp_path / "kinds"), "--arms", "moa,eagle"]) == 0
+    for name, cls in (("moa", MoADrafter), ("eagle", EagleDrafter)):
+        assert isinstance(load_drafter(tmp_path / "kinds" / name / "drafter", tiny_llama), cls)
+    assert main([*base, "--output", str(tmp_path / "named"), "--arm", "wide=--kind moa --lr 1e-3 --sa-mlp 64",
+                 "--arm", "base=--kind eagle --log-every 2"]) == 0
+    assert load_drafter(tmp_path / "named" / "wide" / "drafter", tiny_llama).cfg.sa_mlp == 64
+    assert json.loads((tmp_path / "named" / "wide" / "progress.json").read_text())["config"]["lr"] == 1e-3
+    assert len(read_log(tmp_path / "named" / "base" / "train_log.csv")) == 1
+    capsys.readouterr()
+    for arms, says in ((["--arm", "a=--kind moa", "--arm", "b=--tokens-per-batch 64"], "--arm b: unrecognized arguments"),
+                       (["--arm", "a=--kind moa", "--arm", "a=--kind eagle"], "--arm a is given twice"),
+                       (["--arm", "x", "--arm", "moa"], "must be a kind"),
+                       (["--arm", "a/b=--kind moa", "--arm", "moa"], "letters, digits"),
+                       (["--arm", "a=--kind moa --lr 0", "--arm", "moa"], "--lr must be a finite number > 0")):
+        assert main([*base, "--output", str(tmp_path / "bad"), *arms]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -129,11 +129,21 @@ def drafter_loss(drafter: Drafter, target: Transformer, batch: Batch, masks: Mas
     return StepOut(loss, draft_logits, target_logits)
 
 
+def loss_rows(masks: Masks, device: torch.device) -> torch.Tensor:
+    """The flat indices of the loss positions, found on the CPU (where ``masks.loss`` is) and sent to ``device``:
+    selecting rows by index lets a GPU go on without the wait that a boolean mask's unknown count costs."""
+    return masks.loss.flatten().nonzero().squeeze(1).to(device, non_blocking=True)
+
+
 def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, masks: Masks, tgt: TargetOut,
                        wrapped: torch.nn.Module | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(drafter's, target's) features at response positions: the final state first, then with N > 0 layer L−N's."""
     device = tgt.final.device
-    sel = masks.loss.to(device)
+    rows = loss_rows(masks, device)
+
+    def sel(t: torch.Tensor) -> torch.Tensor:  # t[masks.loss], in the same order
+        return t.flatten(0, 1).index_select(0, rows)
+
     if isinstance(drafter, EagleDrafter):
         pred = (wrapped or drafter)(batch.tokens.to(device), tgt.final)
     elif isinstance(drafter, IndependentDrafter):
@@ -144,7 +154,7 @@ def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, mask
                                     masks.sa.to(device), masks.ca.to(device))
     N = drafter.cfg.tli_layers if isinstance(drafter, MoADrafter) else 0
     if not N:
-        return [pred[sel]], [tgt.final[sel]]
+        return [sel(pred)], [sel(tgt.final)]
     assert isinstance(drafter, MoADrafter) and tgt.layer is not None
     B, S = batch.tokens.shape
     L = target.cfg.num_layers
@@ -152,7 +162,7 @@ def predicted_features(drafter: Drafter, target: Transformer, batch: Batch, mask
     cache = KVCache(N, H, D, 2 * S, B, pred.dtype, device)
     cache.put_token_kv(0, tgt.token_kv[:, :, L - N :])  # the last N layers' true K/V
     final = drafter.run_tli(pred, cache, torch.arange(S, device=device), tli_mask(masks, batch.lengths).to(device))
-    return [final[sel], pred[sel]], [tgt.final[sel], tgt.layer[sel]]
+    return [sel(final), sel(pred)], [sel(tgt.final), sel(tgt.layer)]
 
 
 def acceptance_by_offset(draft_logits: torch.Tensor, target_full_argmax: torch.Tensor,

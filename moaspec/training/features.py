@@ -131,6 +131,14 @@ class FeatureStore:
         """Features for a right-padded batch; rows not in their cache file are computed together and stored."""
         B, S = tokens.shape
         device = self.target.device
+        if all(f is None for f in files):  # nothing cached or to cache: the pass itself, padding zeroed
+            fresh = target_pass(self.target, tokens.to(device), self.tli_layers)
+            real = (torch.arange(S) < lengths[:, None]).to(device, non_blocking=True)
+
+            def unpadded(t: torch.Tensor) -> torch.Tensor:
+                return torch.where(real.view(B, S, *[1] * (t.dim() - 2)), t, 0.0)
+            return TargetOut(unpadded(fresh.token_kv), unpadded(fresh.final),
+                             None if fresh.layer is None else unpadded(fresh.layer))
         cached = [self._load(f, int(n)) for f, n in zip(files, lengths)]
         missing = [b for b, c in enumerate(cached) if c is None]
         if missing:

@@ -22,7 +22,8 @@ import pickle
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,7 @@ class TrainConfig:
     pseudo_epoch: int = 0  # > 0: their staircase and peak-then-constant LR over pseudo-epochs of this many updates
     norm_init_std: float = 0.0  # > 0: MoA from random weights starts its norm gains ~ N(0, std²) instead of 1
     embedding_noise: float = 0.0  # EAGLE: U(−a, a) on its training input embeddings, besides the features'
+    log_every: int = 1  # a train_log.csv row every this many updates: the losses are read back from the device then
 
 
 # with --pseudo-epoch, the learning rate peaks at --lr and settles at --lr / this (the authors' 20 × 3e-5 → 3e-5)
@@ -188,6 +190,12 @@ def resolve_precision(choice: str, cpu: bool) -> str:
     return "bf16" if bf16_kernels() else "no"
 
 
+def fused_if_supported(device: torch.device) -> dict[str, bool]:
+    """AdamW's options on ``device``: on a GPU its fused kernel, one launch for every parameter instead of a
+    dozen per tensor (the same arithmetic); on a CPU torch's default."""
+    return {"fused": True} if device.type == "cuda" else {}
+
+
 def _forget_previous_run_precision() -> None:
     """Accelerate keeps one process-wide state and refuses a second ``Accelerator`` with another precision, so a
     program (a notebook, a sweep) that trains twice would fail on its second run. Only that per-run state is
@@ -236,29 +244,33 @@ def check_recipe_options(cfg: TrainConfig) -> None:
         raise MoaspecError("--embedding-noise applies to EAGLE drafters only")
 
 
-class Trainer:
-    def __init__(self, target: LoadedModel, data: Path | Sequence[Path], out: Path, cfg: TrainConfig,
-                 sizes: dict[str, Any] | None = None, progress: bool = True, compile: bool = False) -> None:
-        """``data``: one directory made by ``moaspec data``, or several to train on together. ``compile``: the
-        drafter's training pass through ``torch.compile`` (:mod:`moaspec.training.compiled`); it changes how
-        updates run, not what they compute, so a run may be resumed with or without it."""
-        from accelerate import Accelerator
+# What decides the batches and the target's features: arms trained together must agree on these
+SHARED_FIELDS = ("max_len", "tokens_per_batch", "grad_accum", "seed", "val_fraction", "tli_layers", "mixed_precision",
+                 "cache_features", "same_data_as")
 
-        self.cfg, self.out, self.progress = cfg, out, progress
-        check_recipe_options(cfg)
-        if cfg.same_data_as and cfg.init_from:
-            raise MoaspecError("--same-data-as and --init-from each decide the draft vocabulary: give one of them")
+
+class TrainingData:
+    """What every drafter of a run trains on: the data directories, their train/held-out split, the shards
+    each epoch used, and the frozen target's features for each batch.
+
+    One instance serves several drafters (:func:`train_together`): each batch is drawn once and the
+    target runs over it once, then every drafter learns from the same tensors, so the drafters stay on
+    identical data by construction and the target's forward is paid once, not once per drafter.
+    ``cfg`` gives the fields of :data:`SHARED_FIELDS`; the drafters' other settings are their own.
+    """
+
+    def __init__(self, target: LoadedModel, data: Path | Sequence[Path], cfg: TrainConfig) -> None:
+        from accelerate import PartialState
+
+        self.target, self.cfg = target, cfg
         on_cpu = target.model.device.type == "cpu"
-        _forget_previous_run_precision()
-        self.acc = Accelerator(cpu=on_cpu, gradient_accumulation_steps=cfg.grad_accum,
-                               mixed_precision=resolve_precision(cfg.mixed_precision, on_cpu))
-        if target.model.device != self.acc.device and not on_cpu:  # one GPU per process
-            target.model.to(self.acc.device)
+        self.state = PartialState(cpu=on_cpu)  # the process group: every drafter's Accelerator joins it
+        if target.model.device != self.state.device and not on_cpu:  # one GPU per process
+            target.model.to(self.state.device)
         if not on_cpu:
             # TF32 matmuls for an fp32 target on a GPU: its features are rounded through fp16
             # (same 10-bit mantissa) before the drafter sees them, so TF32 loses nothing they keep
             torch.backends.cuda.matmul.allow_tf32 = True
-        self.target = target
         self.data_dirs = [data] if isinstance(data, Path) else list(data)
         if len({d.resolve() for d in self.data_dirs}) < len(self.data_dirs):
             raise MoaspecError("the same data directory was given twice")
@@ -266,8 +278,137 @@ class Trainer:
         self.feature_dirs = [d / "features" / f"{target.fingerprint}-len{cfg.max_len}-tli{cfg.tli_layers}"
                              for d in self.data_dirs] if cfg.cache_features else None
         self.features = FeatureStore(target.model, cfg.tli_layers)
-        if self.feature_dirs is not None and self.acc.is_main_process:
+        self.epoch_shards: dict[int, list[int]] = {}  # shards of each data directory that each epoch used
+        self._vocabularies: dict[int, torch.Tensor] = {}
+        if self.feature_dirs is not None and self.state.is_main_process:
             self._warn_if_the_cache_will_not_fit()
+
+    def check_shared(self, cfg: TrainConfig) -> None:
+        """Refuse a drafter whose settings would batch the data, or compute the target's features, otherwise."""
+        differ = [name for name in SHARED_FIELDS if getattr(cfg, name) != getattr(self.cfg, name)]
+        if differ:
+            raise MoaspecError("drafters trained together share their batches and the target's features, so they need "
+                               "the same " + ", ".join(f"--{n.replace('_', '-')} ({getattr(self.cfg, n)!r} against "
+                                                       f"{getattr(cfg, n)!r})" for n in differ))
+
+    def adopt_epoch_shards(self, saved: dict[int, list[int]], whose: Path) -> None:
+        """Take the shards a resumed or replayed run used in each epoch; another drafter of this run must agree."""
+        for epoch, counts in saved.items():
+            if self.epoch_shards.setdefault(epoch, counts) != counts:
+                raise MoaspecError(f"{whose} trained epoch {epoch} on {counts} shards where another drafter of this "
+                                   f"run used {self.epoch_shards[epoch]}: they were not trained together")
+
+    def draft_vocabulary(self, size: int) -> torch.Tensor:
+        """The ``size`` tokens the target emits most in the training set (computed once for every drafter)."""
+        if size not in self._vocabularies:
+            cfg, tok = self.target.cfg, self.target.tokenizer
+            eos = [*cfg.eos_token_ids, *cfg.generation_eos_ids, *(getattr(tok, "all_special_ids", []) or [])]
+            self._vocabularies[size] = draft_vocabulary(self.train_set, size, eos, cfg.vocab_size)
+        return self._vocabularies[size].clone()
+
+    def shards_available(self) -> list[int]:
+        return [len(read_manifest(d)["shards"]) for d in self.data_dirs]
+
+    def examples_for(self, epoch: int) -> list[Example]:
+        """The training examples of ``epoch``: every shard finished when it began (the same on every process)."""
+        from accelerate.utils import broadcast_object_list
+
+        if epoch not in self.epoch_shards:
+            counts = [self.shards_available()]
+            broadcast_object_list(counts)  # processes could see different manifests mid-write
+            self.epoch_shards[epoch] = counts[0]
+        held = {(ex.source, ex.key) for ex in self.val_set}
+        train, _ = load_examples(self.data_dirs, self.target.fingerprint, self.cfg.max_len, self.cfg.val_fraction,
+                                 self.epoch_shards[epoch])
+        return [ex for ex in train if (ex.source, ex.key) not in held]
+
+    def batches(self, skip: int) -> Iterator[Batch]:
+        """This process's micro-batches, epoch after epoch, after the first ``skip``."""
+        return batch_stream(self.examples_for, self.cfg.tokens_per_batch, self.cfg.seed, self.state.process_index,
+                            self.state.num_processes, skip=skip)
+
+    def _warn_if_the_cache_will_not_fit(self) -> None:
+        """Say before the first update when the features still to cache outgrow a data directory's disk
+        (a large target's are several times SmolLM2's 23.6 KiB a token), not hours later."""
+        assert self.feature_dirs is not None
+        todo = [0] * len(self.feature_dirs)
+        for ex in (*self.train_set, *self.val_set):
+            if not self._feature_file(ex.source, ex.key).is_file():
+                todo[ex.source] += len(ex.tokens)
+        for directory, tokens in zip(self.feature_dirs, todo):
+            warning = room_warning(directory, tokens, self.target.cfg, self.cfg.tli_layers)
+            if warning:
+                print(f"moaspec train: {warning}", file=sys.stderr)
+
+    def _feature_file(self, source: int, key: str) -> Path:
+        """Where an example's cached features live: beside the data directory it came from."""
+        assert self.feature_dirs is not None
+        return self.feature_dirs[source] / f"{key}.safetensors"
+
+    def target_features(self, batch: Batch) -> TargetOut:
+        """The target's features for ``batch``, cached beside the data each example came from."""
+        files = [None if self.feature_dirs is None else self._feature_file(s, k) for s, k in zip(batch.sources, batch.keys)]
+        return self.features.features(batch.tokens, batch.lengths, files)
+
+
+class RandomState:
+    """A drafter's own stream of torch's global random numbers (CPU, and its GPU's), kept apart from other
+    drafters trained in the same process.
+
+    Random numbers drawn inside a drafter's pass (EAGLE's feature noise) come from torch's global
+    generator; with its own stream, a drafter trained beside others draws what it would draw alone.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.capture()
+
+    def capture(self) -> None:
+        """Keep the global generators' state as this stream's."""
+        self.cpu = torch.random.get_rng_state()
+        self.gpu = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Draw from this stream within the block; what the block leaves is kept for the next one."""
+        torch.random.set_rng_state(self.cpu)
+        if self.gpu is not None:
+            torch.cuda.set_rng_state(self.gpu, self.device)
+        try:
+            yield
+        finally:
+            self.capture()
+
+
+class Trainer:
+    """One drafter's training: its weights, optimizer, schedule, random stream, logs and run directory.
+
+    :meth:`train` trains it alone; :func:`train_together` trains several on the same batches, the
+    target's features computed once per batch for all of them. A drafter alone is the case of one.
+    """
+
+    def __init__(self, target: LoadedModel, data: Path | Sequence[Path] | TrainingData, out: Path, cfg: TrainConfig,
+                 sizes: dict[str, Any] | None = None, progress: bool = True, compile: bool = False) -> None:
+        """``data``: one directory made by ``moaspec data``, or several to train on together, or the
+        :class:`TrainingData` another drafter trains on (trained together with it by :func:`train_together`).
+        ``compile``: the drafter's training pass through ``torch.compile`` (:mod:`moaspec.training.compiled`);
+        it changes how updates run, not what they compute, so a run may be resumed with or without it."""
+        from accelerate import Accelerator
+
+        self.cfg, self.out, self.progress = cfg, out, progress
+        check_recipe_options(cfg)
+        if cfg.same_data_as and cfg.init_from:
+            raise MoaspecError("--same-data-as and --init-from each decide the draft vocabulary: give one of them")
+        if isinstance(data, TrainingData):
+            data.check_shared(cfg)
+        else:
+            _forget_previous_run_precision()  # a new run, not a drafter joining one
+            data = TrainingData(target, data, cfg)
+        self.data = data
+        on_cpu = target.model.device.type == "cpu"
+        self.acc = Accelerator(cpu=on_cpu, gradient_accumulation_steps=cfg.grad_accum,
+                               mixed_precision=resolve_precision(cfg.mixed_precision, on_cpu))
+        self.target = target
         torch.manual_seed(cfg.seed)
         drafter: Drafter
         self.inherited_lineage: list[str] = []  # what made the --init-from drafter, oldest first
@@ -288,14 +429,12 @@ class Trainer:
             drafter.copy_target_layers(target.model)
         else:
             raise MoaspecError(f"unknown drafter kind {cfg.kind!r}: choose moa, eagle or independent")
-        self.epoch_shards: dict[int, list[int]] = {}  # shards of each data directory that each epoch used
         if cfg.same_data_as:
-            self.epoch_shards, vocab = self._reference_data(target, Path(cfg.same_data_as))
+            vocab = self._reference_data(target, Path(cfg.same_data_as))
             if vocab is not None:
                 drafter.set_draft_vocab(vocab)
         elif cfg.draft_vocab and not cfg.init_from:
-            eos = [*target.cfg.eos_token_ids, *target.cfg.generation_eos_ids, *(getattr(target.tokenizer, "all_special_ids", []) or [])]
-            drafter.set_draft_vocab(draft_vocabulary(self.train_set, cfg.draft_vocab, eos, target.cfg.vocab_size))
+            drafter.set_draft_vocab(data.draft_vocabulary(cfg.draft_vocab))
         if isinstance(drafter, MoADrafter) and not cfg.init_from:
             drafter.start_out_norm_from(target.model)
             if cfg.norm_init_std:  # drawn after every other weight: with the same seed those start as without it
@@ -308,11 +447,25 @@ class Trainer:
         if compile:
             compile_training_forward(drafter)
         self.raw = drafter
-        optim = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        optim = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                  **fused_if_supported(self.acc.device))
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg, self.acc.num_processes))
         self.model, self.optim, self.sched = self.acc.prepare(drafter, optim, sched)
         self.step, self.tokens, self.wall = 0, 0, 0.0
-        self._resume()
+        self.random = RandomState(self.acc.device)
+        with self.random.active():
+            self._resume()
+        self._masks = torch.Generator()  # segment starts, reseeded every update
+        self._pending = torch.zeros(3, device=self.acc.device)  # loss, KL, feature: summed since the last log row
+        self._pending_tokens, self._pending_updates, self._pending_wall = 0, 0, 0.0
+
+    @property
+    def data_dirs(self) -> list[Path]:
+        return self.data.data_dirs
+
+    @property
+    def epoch_shards(self) -> dict[int, list[int]]:
+        return self.data.epoch_shards
 
     def _warm_start(self, target: LoadedModel, path: Path, sizes: dict[str, Any]) -> Drafter:
         """Continue from an exported drafter (its architecture and draft vocabulary), e.g. on more data.
@@ -337,8 +490,8 @@ class Trainer:
                 raise MoaspecError(f"--init-from {path}: {e}") from e
         return drafter.requires_grad_(True)  # fp32 already: loaded so, and adapted() keeps the dtype
 
-    def _reference_data(self, target: LoadedModel, run: Path) -> tuple[dict[int, list[int]], torch.Tensor | None]:
-        """The shards each epoch of ``run`` used, and its draft vocabulary.
+    def _reference_data(self, target: LoadedModel, run: Path) -> torch.Tensor | None:
+        """Replay the shards each epoch of ``run`` used; return its draft vocabulary.
 
         Batch order is a pure function of (examples, seed, epoch), so with the same seed,
         batch size and these, a second drafter trains on exactly the same batches in the
@@ -355,7 +508,7 @@ class Trainer:
         for name in ("max_len", "tokens_per_batch", "seed", "val_fraction"):  # what else decides the batches
             if name in ref_cfg and ref_cfg[name] != getattr(self.cfg, name):
                 raise MoaspecError(f"--same-data-as {run} used --{name.replace('_', '-')} {ref_cfg[name]}; pass the same")
-        available = self.shards_available()
+        available = self.data.shards_available()
         for used in shards.values():
             if len(used) != len(available):
                 raise MoaspecError(f"--same-data-as {run} trained on {len(used)} data directories; pass as many to --data")
@@ -366,7 +519,8 @@ class Trainer:
         if ref.cfg.draft_vocab_size != self.cfg.draft_vocab:
             raise MoaspecError(f"--same-data-as {run} has draft vocabulary {ref.cfg.draft_vocab_size}; "
                                f"pass --draft-vocab {ref.cfg.draft_vocab_size}")
-        return shards, None if ref.draft_vocab is None else ref.draft_vocab.clone()
+        self.data.adopt_epoch_shards(shards, run)
+        return None if ref.draft_vocab is None else ref.draft_vocab.clone()
 
     # --- persistence ------------------------------------------------------------------
 
@@ -402,7 +556,7 @@ class Trainer:
             raise self._cannot_resume(f"{self.state_dir}, its saved state, is damaged "
                                       f"({type(exc).__name__}: {brief(exc, 160)})") from None
         self.step, self.tokens, self.wall = saved["step"], saved["tokens"], saved["wall_s"]
-        self.epoch_shards = shard_counts(saved.get("epoch_shards", {}))
+        self.data.adopt_epoch_shards(shard_counts(saved.get("epoch_shards", {})), self.out)
         began = saved.get("mixed_precision")  # what "auto" meant where the run began (runs since 2026-12-04 say)
         if began not in (None, self.acc.mixed_precision) and self.acc.is_main_process:
             print(f"moaspec train: {self.out} ran its first {self.step} updates with mixed precision {began!r}; "
@@ -424,7 +578,7 @@ class Trainer:
 
         Weights that are not finite are never saved (every process holds the same weights,
         so all of them stop here together)."""
-        if not all(bool(torch.isfinite(w).all()) for w in self.model.parameters()):
+        if not bool(torch.stack([torch.isfinite(w).all() for w in self.model.parameters()]).all()):
             raise self._diverged(f"the drafter's weights are not finite (NaN or inf) after update {self.step}")
         self.acc.wait_for_everyone()
         tmp = self.out / "state.tmp"
@@ -434,7 +588,8 @@ class Trainer:
             atomic_write_text(self.out / "train_config.json", json.dumps(asdict(self.cfg), indent=1))
         self.acc.wait_for_everyone()
         try:
-            self.acc.save_state(str(tmp))
+            with self.random.active():  # the state saved holds this drafter's random stream
+                self.acc.save_state(str(tmp))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk, an interrupt: the saved state before stays whole
             raise
@@ -456,8 +611,8 @@ class Trainer:
     def summary(self, final: bool) -> dict[str, Any]:
         return {
             "data": [describe_data(d) for d in self.data_dirs],
-            "data_sources": [data_sources(d) for d in self.data_dirs], "first_epoch_train_examples": len(self.train_set),
-            "val_examples": len(self.val_set), "epoch_shards": self.epoch_shards,
+            "data_sources": [data_sources(d) for d in self.data_dirs], "first_epoch_train_examples": len(self.data.train_set),
+            "val_examples": len(self.data.val_set), "epoch_shards": self.epoch_shards,
             "steps": self.step, "tokens": self.tokens, "wall_s": round(self.wall, 1), "finished": final,
             "processes": self.acc.num_processes, "mixed_precision": self.acc.mixed_precision,
             "config": asdict(self.cfg), "last_val": getattr(self, "last_val", None),
@@ -496,117 +651,82 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------
 
-    def shards_available(self) -> list[int]:
-        return [len(read_manifest(d)["shards"]) for d in self.data_dirs]
+    def begin_update(self) -> None:
+        """Seed this update's segment starts: they depend only on (seed, process, update), so a resumed run draws
+        the same ones."""
+        self._masks.manual_seed(self.cfg.seed * 1_000_003 + self.acc.process_index * 10_007 + self.step)
 
-    def examples_for(self, epoch: int) -> list[Example]:
-        """The training examples of ``epoch``: every shard finished when it began (the same on every process)."""
-        from accelerate.utils import broadcast_object_list
-
-        if epoch not in self.epoch_shards:
-            counts = [self.shards_available()]
-            broadcast_object_list(counts)  # processes could see different manifests mid-write
-            self.epoch_shards[epoch] = counts[0]
-        held = {(ex.source, ex.key) for ex in self.val_set}
-        train, _ = load_examples(self.data_dirs, self.target.fingerprint, self.cfg.max_len, self.cfg.val_fraction,
-                                 self.epoch_shards[epoch])
-        return [ex for ex in train if (ex.source, ex.key) not in held]
-
-    def _warn_if_the_cache_will_not_fit(self) -> None:
-        """Say before the first update when the features still to cache outgrow a data directory's disk
-        (a large target's are several times SmolLM2's 23.6 KiB a token), not hours later."""
-        assert self.feature_dirs is not None
-        todo = [0] * len(self.feature_dirs)
-        for ex in (*self.train_set, *self.val_set):
-            if not self._feature_file(ex.source, ex.key).is_file():
-                todo[ex.source] += len(ex.tokens)
-        for directory, tokens in zip(self.feature_dirs, todo):
-            warning = room_warning(directory, tokens, self.target.cfg, self.cfg.tli_layers)
-            if warning:
-                print(f"moaspec train: {warning}", file=sys.stderr)
-
-    def _feature_file(self, source: int, key: str) -> Path:
-        """Where an example's cached features live: beside the data directory it came from."""
-        assert self.feature_dirs is not None
-        return self.feature_dirs[source] / f"{key}.safetensors"
-
-    def target_features(self, batch: Batch) -> TargetOut:
-        """The target's features for ``batch``, cached beside the data each example came from."""
-        files = [None if self.feature_dirs is None else self._feature_file(s, k) for s, k in zip(batch.sources, batch.keys)]
-        return self.features.features(batch.tokens, batch.lengths, files)
-
-    def micro_batch(self, batch: Batch, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
+    def micro_batch(self, batch: Batch, tgt: TargetOut) -> None:
+        """Forward and backward over one micro-batch (the target's features ``tgt`` given), and the optimizer's
+        update after the last of an update's ``grad_accum``. The losses stay on the device until a log row."""
         cfg = self.cfg
         p = 0.0
         if cfg.staircase:
             p = epoch_staircase_probability(self.step, cfg.pseudo_epoch) if cfg.pseudo_epoch else \
                 staircase_probability(self.step, cfg.steps)
-        local = torch.rand(batch.tokens.shape[0], generator=gen) < p
-        masks = build_masks(batch, gen, local, cfg.segment_min, cfg.segment_max, self.acc.device,
+        local = torch.rand(batch.tokens.shape[0], generator=self._masks) < p
+        masks = build_masks(batch, self._masks, local, cfg.segment_min, cfg.segment_max, self.acc.device,
                             cfg.segment_long_max, cfg.segment_long_fraction, cfg.segment_start_in_memory,
                             cfg.segment_periodic)
-        tgt = self.target_features(batch)
-        with self.acc.autocast():
-            out = drafter_loss(self.raw, self.target.model, batch, masks, tgt, wrapped=self.model,
-                               kl_weight=cfg.kl_weight, feature_weight=cfg.feature_weight)
-        return out.loss.total, {"kl": float(out.loss.kl.detach()), "feature": float(out.loss.feature.detach()),
-                                "tokens": int(masks.loss.sum())}
+        with self.random.active(), self.acc.accumulate(self.model):
+            with self.acc.autocast():
+                out = drafter_loss(self.raw, self.target.model, batch, masks, tgt, wrapped=self.model,
+                                   kl_weight=cfg.kl_weight, feature_weight=cfg.feature_weight)
+            self.acc.backward(out.loss.total)
+            if self.acc.sync_gradients:
+                self.acc.clip_grad_norm_(self.model.parameters(), cfg.clip)
+            self.optim.step()
+            self.sched.step()
+            self.optim.zero_grad()
+        parts = torch.stack([out.loss.total, out.loss.kl, out.loss.feature]).detach().float()
+        self._pending += parts / cfg.grad_accum
+        self._pending_tokens += int(masks.loss.sum())  # counted on the CPU: no wait for the device
+
+    def end_update(self, last: int) -> bool:
+        """Count the update; at a log row (every ``log_every`` updates, at saves and at the last), read the losses
+        back from the device and check that they are finite. Returns whether a row is due."""
+        self.step += 1
+        self._pending_updates += 1
+        cfg = self.cfg
+        due = (self.step % cfg.log_every == 0 or self.step % cfg.save_every == 0 or self.step % cfg.eval_every == 0
+               or self.step in (last, cfg.steps))
+        if due:
+            # one gather for every process's tokens and losses: a loss that is not finite stops them all together
+            totals = self.acc.gather(torch.cat([torch.tensor([float(self._pending_tokens)], device=self.acc.device),
+                                                self._pending])[None])
+            self._row = totals.sum(0).tolist()
+            if not all(math.isfinite(v) for v in self._row):
+                n = self._pending_updates
+                when = f"at update {self.step}" if n == 1 else f"in updates {self.step - n + 1}-{self.step}"
+                raise self._diverged(f"the training loss is not finite (NaN or inf) {when}")
+        return due
+
+    def after_update(self, dt: float, due: bool, last: int, bar: Any) -> None:
+        """Add the update's time; write the log row if due; evaluate and save when their turn comes."""
+        cfg = self.cfg
+        self.wall += dt
+        self._pending_wall += dt
+        if due:
+            tokens, loss, kl, feature = self._row
+            n = self._pending_updates * self.acc.num_processes  # each process's losses are its own batches' means
+            self.tokens += int(tokens)
+            self.log("train_log.csv", {"step": self.step, "tokens": self.tokens, "lr": self.sched.get_last_lr()[0],
+                                       "loss": round(loss / n, 5), "kl": round(kl / n, 5), "feature": round(feature / n, 5),
+                                       "tokens_per_s": round(tokens / self._pending_wall, 1),
+                                       "wall_s": round(self.wall, 1)})
+            bar.set_postfix({f"{self.out.name}_loss": f"{loss / n:.3f}", f"{self.out.name}_tok_s":
+                             f"{tokens / self._pending_wall:.0f}"}, refresh=False)
+            self._pending.zero_()
+            self._pending_tokens, self._pending_updates, self._pending_wall = 0, 0, 0.0
+        if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+            self.last_val = self.evaluate()
+            self.log("val_log.csv", {"step": self.step, "tokens": self.tokens, **self.last_val})
+        if self.step % cfg.save_every == 0 or self.step == last:
+            self.save(final=self.step == cfg.steps)
 
     def train(self, until: int | None = None) -> dict[str, Any]:
         """Run to ``cfg.steps`` updates (or stop after update ``until``, saved, to resume later)."""
-        cfg = self.cfg
-        stream = batch_stream(self.examples_for, cfg.tokens_per_batch, cfg.seed, self.acc.process_index,
-                              self.acc.num_processes, skip=self.step * cfg.grad_accum)
-        gen = torch.Generator()
-        bar = progress_bar(total=cfg.steps, initial=self.step, unit="step", desc="moaspec train",
-                           disable=not (self.progress and self.acc.is_main_process))
-        last = cfg.steps if until is None else min(until, cfg.steps)
-        if self.step == 0 and cfg.init_from:
-            # the starting drafter on this run's held-out slice: the baseline a continuation is read against
-            # (decided from the step alone, so that every process joins evaluate's reduction)
-            self.log("val_log.csv", {"step": 0, "tokens": 0, **self.evaluate()})
-        while self.step < last:
-            t0 = time.perf_counter()
-            # masks depend only on (seed, process, step), so a resumed run draws the same ones
-            gen.manual_seed(cfg.seed * 1_000_003 + self.acc.process_index * 10_007 + self.step)
-            parts = {"loss": 0.0, "kl": 0.0, "feature": 0.0}
-            step_tokens = 0.0
-            for _ in range(cfg.grad_accum):
-                with self.acc.accumulate(self.model):
-                    loss, info = self.micro_batch(next(stream), gen)
-                    self.acc.backward(loss)
-                    if self.acc.sync_gradients:
-                        self.acc.clip_grad_norm_(self.model.parameters(), cfg.clip)
-                    self.optim.step()
-                    self.sched.step()
-                    self.optim.zero_grad()
-                parts["loss"] += float(loss.detach()) / cfg.grad_accum
-                parts["kl"] += info["kl"] / cfg.grad_accum
-                parts["feature"] += info["feature"] / cfg.grad_accum
-                step_tokens += info["tokens"]
-            # one gather for every process's tokens and loss: a loss that is not finite stops them all together
-            totals = self.acc.gather(torch.tensor([[step_tokens, parts["loss"]]], dtype=torch.float32,
-                                                  device=self.acc.device))
-            step_tokens = int(totals[:, 0].sum())
-            if not torch.isfinite(totals[:, 1]).all():
-                raise self._diverged(f"the training loss is not finite (NaN or inf) at update {self.step + 1}")
-            dt = time.perf_counter() - t0
-            self.step += 1
-            self.tokens += step_tokens
-            self.wall += dt
-            self.log("train_log.csv", {"step": self.step, "tokens": self.tokens, "lr": self.sched.get_last_lr()[0],
-                                       **{k: round(v, 5) for k, v in parts.items()},
-                                       "tokens_per_s": round(step_tokens / dt, 1), "wall_s": round(self.wall, 1)})
-            bar.set_postfix(loss=f"{parts['loss']:.3f}", kl=f"{parts['kl']:.3f}", tok_s=f"{step_tokens / dt:.0f}",
-                            refresh=False)
-            bar.update(1)
-            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                self.last_val = self.evaluate()
-                self.log("val_log.csv", {"step": self.step, "tokens": self.tokens, **self.last_val})
-            if self.step % cfg.save_every == 0 or self.step == last:
-                self.save(final=self.step == cfg.steps)
-        bar.close()
-        return self.summary(final=self.step == cfg.steps)
+        return train_together([self], until)[0]
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float | None]:
@@ -627,16 +747,17 @@ class Trainer:
         cfg = self.cfg
         self.model.eval()
         gen = torch.Generator().manual_seed(12345)
-        batches = make_batches(self.val_set, cfg.tokens_per_batch, cfg.seed, epoch=0)[: cfg.val_batches]
+        val_set = self.data.val_set
+        batches = make_batches(val_set, cfg.tokens_per_batch, cfg.seed, epoch=0)[: cfg.val_batches]
         mine = batches[self.acc.process_index :: self.acc.num_processes]
         # loss·n, kl·n, feature·n, n, accepted drafts, segments, top-1 matches, decoded tokens, cycles, first-draft hits, cases
         sums = torch.zeros(11)
         raw = self.acc.unwrap_model(self.model)
         for idx in mine:
-            batch = collate([self.val_set[i] for i in idx])
+            batch = collate([val_set[i] for i in idx])
             masks = build_masks(batch, gen, torch.zeros(len(idx), dtype=torch.bool), cfg.segment_min, cfg.segment_max,
                                 self.acc.device)
-            tgt = self.target_features(batch)
+            tgt = self.data.target_features(batch)
             with self.acc.autocast():
                 out = drafter_loss(raw, self.target.model, batch, masks, tgt, kl_weight=cfg.kl_weight,
                                    feature_weight=cfg.feature_weight)
@@ -670,3 +791,83 @@ class Trainer:
             tokens, cycles = tokens + sum(added), cycles + len(added)
         hits, cases = step_accuracy(matches, batch, torch.tensor(batch.greedy, dtype=torch.bool))
         return [tokens, cycles, float(hits[0]), float(cases[0])]
+
+
+def out_of_time(acc: Any, mine: bool) -> bool:
+    """Whether the run is out of time, as the main process sees it: every process stops at the same update."""
+    if acc.num_processes == 1:
+        return mine  # no host synchronisation for one process
+    from accelerate.utils import broadcast_object_list
+
+    decision = [mine]
+    broadcast_object_list(decision)
+    return bool(decision[0])
+
+
+def train_together(trainers: Sequence[Trainer], until: int | None = None,
+                   timings: dict[str, float] | None = None, time_limit: float | None = None) -> list[dict[str, Any]]:
+    """Train several drafters on the same batches, each to its ``cfg.steps`` (or to update ``until``, saved).
+
+    Every micro-batch is drawn once and the target's features computed once, then each drafter
+    takes its forward, backward and update on those tensors in turn, with its own optimizer,
+    schedule, segment draws and random stream: each ends where it would have ended trained alone
+    on these batches. Drafters resumed at different updates (a run stopped between two drafters'
+    saves) catch up: one ahead waits for the others. ``timings`` (a benchmark's): seconds spent on
+    the target's features and on each drafter, the device synchronised between them (slower).
+    ``time_limit``: seconds after which the update under way is the last, saved like ``until``'s, so that a
+    run in a fixed slot of machine time keeps what it learnt (a later run resumes it).
+    """
+    if not trainers:
+        raise MoaspecError("no drafter to train")
+    data = trainers[0].data
+    if any(t.data is not data for t in trainers):
+        raise MoaspecError("drafters trained together must share one TrainingData")
+    if len({t.out.resolve() for t in trainers}) < len(trainers):
+        raise MoaspecError("two drafters trained together were given the same run directory")
+    started = time.perf_counter()  # the time limit counts the evaluation of drafters continued, below
+    ends = [t.cfg.steps if until is None else min(until, t.cfg.steps) for t in trainers]
+    main = trainers[0].acc
+    bar = progress_bar(total=max(ends), initial=min(t.step for t in trainers), unit="step", desc="moaspec train",
+                       disable=not (trainers[0].progress and main.is_main_process))
+    for t in trainers:
+        if t.step == 0 and t.cfg.init_from:
+            # the starting drafter on this run's held-out slice: the baseline a continuation is read against
+            # (decided from the step alone, so that every process joins evaluate's reduction)
+            t.log("val_log.csv", {"step": 0, "tokens": 0, **t.evaluate()})
+    grad_accum = data.cfg.grad_accum
+    step = min(t.step for t in trainers)
+    stream = data.batches(skip=step * grad_accum)
+
+    def synchronised(name: str, since: float) -> float:
+        if timings is None:
+            return since
+        if main.device.type == "cuda":
+            torch.cuda.synchronize(main.device)
+        now = time.perf_counter()
+        timings[name] = timings.get(name, 0.0) + now - since
+        return now
+
+    while step < max(ends):
+        t0 = time.perf_counter()
+        active = [(t, end) for t, end in zip(trainers, ends) if t.step == step < end]
+        for t, _ in active:
+            t.begin_update()
+        for _ in range(grad_accum):
+            batch = next(stream)
+            tick = time.perf_counter()
+            tgt = data.target_features(batch)
+            tick = synchronised("target", tick)
+            for t, _ in active:
+                t.micro_batch(batch, tgt)
+                tick = synchronised(t.out.name, tick)
+        if time_limit is not None and out_of_time(main, time.perf_counter() - started >= time_limit):
+            ends = [min(end, step + 1) for end in ends]  # this update is the last: saved, resumable
+            active = [(t, min(end, step + 1)) for t, end in active]
+        due = [t.end_update(end) for t, end in active]
+        dt = time.perf_counter() - t0
+        for (t, end), row in zip(active, due):
+            t.after_update(dt, row, end, bar)
+        step += 1
+        bar.update(1)
+    bar.close()
+    return [t.summary(final=t.step == t.cfg.steps) for t in trainers]
