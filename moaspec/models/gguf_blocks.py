@@ -26,39 +26,47 @@ from typing import cast
 import numpy as np
 import torch
 
-from moaspec.models.block_kernel import BlockWeights, kernel
+from moaspec.models.block_kernel import Q4K, Q5, Q5K, Q6K, BlockWeights, kernel
 from moaspec.models.fused_layers import fuse_layers, torch_layers
 from moaspec.models.packed_linear import Linear
 from moaspec.models.transformer import Transformer
 
 BLOCKS_ENV = "MOASPEC_GGUF_BLOCKS"  # "0": run GGUF targets on their dequantised fp32 weights (--dense-weights)
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what the kernel reads; other tensor types keep the fp32 path
 _CHECKED_ROWS = 16  # sampled rows per weight compared bit for bit with the dense weight
+
+# What the kernel reads, as ggml lays each block out: bytes per block, and the slices of a block that hold d, the
+# offset m (None: computed, or 0), and what the kernel takes as codes; the layout it reads them in.
+_LAYOUTS: dict[str, tuple[int, int, slice, slice | None, slice]] = {
+    "Q4_0": (4, 18, slice(0, 2), None, slice(2, 18)),  # d·(q - 8): offset -8·d (exact in fp16)
+    "Q4_1": (4, 20, slice(0, 2), slice(2, 4), slice(4, 20)),
+    "Q5_0": (Q5, 22, slice(0, 2), None, slice(2, 22)),  # d·(q - 16): offset -16·d; codes: 4 bytes of fifth bits, 16
+    "Q5_1": (Q5, 24, slice(0, 2), slice(2, 4), slice(4, 24)),
+    "Q8_0": (8, 34, slice(0, 2), None, slice(2, 34)),
+    "Q4_K": (Q4K, 144, slice(0, 2), slice(2, 4), slice(4, 144)),  # super-blocks of 256: d, dmin, then the rest
+    "Q5_K": (Q5K, 176, slice(0, 2), slice(2, 4), slice(4, 176)),
+    "Q6_K": (Q6K, 210, slice(208, 210), None, slice(0, 208)),  # d comes last; no offset
+}
+BLOCK_TYPES = tuple(_LAYOUTS)  # other tensor types (F16, F32, Q2_K, Q3_K, IQ*) keep the fp32 path
 
 
 def blocks_of(tensor: object) -> BlockWeights | None:
-    """A GGUF reader tensor's blocks, or ``None`` for a type the kernel does not read.
-
-    ggml's layouts: Q4_1 blocks are (fp16 d, fp16 m, 16 bytes of nibbles), Q4_0 (fp16 d, 16 bytes) with
-    weights d·(q − 8), written here as offset m = −8d (exact: d·q − 8d has at most 16 significant bits),
-    Q8_0 (fp16 d, 32 signed bytes)."""
+    """A GGUF reader tensor's blocks, or ``None`` for a type the kernel does not read (ggml's block layouts, as
+    gguf's ``quants`` module dequantises them: :data:`_LAYOUTS`)."""
     kind = tensor.tensor_type.name  # type: ignore[attr-defined]
-    if kind not in BLOCK_TYPES:
+    if kind not in _LAYOUTS:
         return None
+    bits, size, d_at, m_at, codes_at = _LAYOUTS[kind]
     raw = np.asarray(tensor.data)  # type: ignore[attr-defined]  # uint8 [out, blocks * bytes per block]
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
     out = raw.shape[0]
     blocks = raw.reshape(out, -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-        codes = blocks[..., 4:]
-    elif kind == "Q4_0":
-        m, codes = -8 * d, blocks[..., 2:]
+    d = blocks[..., d_at].copy().view(np.float16)[..., 0]
+    if m_at is not None:
+        m = blocks[..., m_at].copy().view(np.float16)[..., 0]
     else:
-        m, codes = np.zeros_like(d), blocks[..., 2:]
-    return BlockWeights(8 if kind == "Q8_0" else 4, torch.from_numpy(np.ascontiguousarray(codes).reshape(out, -1)),
-                        torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(m)))
+        m = {"Q4_0": -8 * d, "Q5_0": -16 * d}.get(kind, np.zeros_like(d))
+    codes = np.ascontiguousarray(blocks[..., codes_at]).reshape(out, -1)
+    return BlockWeights(bits, torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(d)),
+                        torch.from_numpy(np.ascontiguousarray(m)))
 
 
 def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
