@@ -157,6 +157,69 @@ def quantised_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gguf(make_tiny_model(root / "qwen2", "qwen2", seed=5), root / "tiny.q4.gguf", QUANTISED)
 
 
+# as llama.cpp's quantiser mixes types in a "Q4_K_M" file: a layer's q and k as Q5_0 beside a Q8_0 v (its fallback
+# where rows are not whole super-blocks), K-quants elsewhere; the first fragment a tensor's name holds decides
+MIXED = {"blk.0.attn_q": "Q5_0", "blk.0.attn_k": "Q5_0", "blk.0.attn_v": "Q8_0", "attn_output": "Q4_K",
+         "attn_": "Q5_K", "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "blk.1.ffn_down": "Q4_K", "ffn_down": "Q6_K",
+         "output.": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 wide enough for K-quants' super-blocks of 256 (hidden 256, MLP 512), stored as :data:`MIXED`."""
+    from tiny import make_tiny_gguf, make_tiny_model
+
+    root = tmp_path_factory.mktemp("mixed")
+    source = make_tiny_model(root / "qwen2", "qwen2", seed=8, hidden_size=256, intermediate_size=512,
+                             num_hidden_layers=3)
+    return make_tiny_gguf(source, root / "tiny.mixed.gguf", MIXED)
+
+
+@needs_kernel
+def test_a_mixed_k_quant_file_decodes_from_its_blocks_as_its_fp32_weights_do(mixed_gguf: Path) -> None:
+    from moaspec.decoding import GenerationConfig, generate
+    from moaspec.decoding.speculative import generate_chain
+    from moaspec.models import load_model
+
+    loaded = load_model(str(mixed_gguf), device="cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    kinds = {n: m.blocks.bits for n, m in linears(model).items() if m.blocks is not None}
+    assert len(kinds) == len(linears(model)) and model.fused is not None
+    assert kinds["blocks.0.attn.qkv"] == 8 and kinds["blocks.1.mlp.down"] == block_kernel.Q4K
+    assert {kinds["blocks.0.attn.o"], kinds["blocks.1.attn.qkv"], kinds["lm_head"]} == {
+        block_kernel.Q4K, block_kernel.Q5K, block_kernel.Q6K}
+    ids = torch.randint(0, loaded.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    with torch.inference_mode():
+        blocks = model(ids, model.new_cache(16)).logits
+        plain = generate(model, tok, [5, 17, 42, 7], cfg).token_ids
+        with gguf_blocks.dense_products(model):
+            dense = model(ids, model.new_cache(16)).logits
+            assert generate(model, tok, [5, 17, 42, 7], cfg).token_ids == plain
+    # fp32 sums of 256 to 512 terms in another order, through three layers: measured 4e-6 of the largest logit
+    torch.testing.assert_close(blocks, dense, atol=1e-5 * float(dense.abs().max()), rtol=0)
+    from test_speculative import moa_proposer
+
+    assert generate_chain(model, tok, moa_proposer(loaded), [5, 17, 42, 7], cfg, draft_len=4).token_ids == plain
+
+
+@needs_kernel
+def test_a_weight_left_on_fp32_is_named_with_why_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiny import make_tiny_gguf, make_tiny_model
+
+    from moaspec.models import load_model
+
+    source = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=9, num_hidden_layers=2)
+    gguf = make_tiny_gguf(source, tmp_path / "tiny.gguf", {"blk.0.attn_v": "Q8_0", "attn_": "Q5_1",
+                                                           "ffn_": "Q4_0", "output.": "F16"})
+    for _ in range(2):  # converted and kept, then read back from what was kept: the same line
+        load_model(str(gguf), device="cpu")
+        lines = [line for line in capsys.readouterr().err.splitlines() if "stay on fp32" in line]
+        assert len(lines) == 1 and "2 of 9 weights" in lines[0], lines
+        assert "fuses Q5_1 and Q8_0 parts" in lines[0] and "blocks.0.attn.qkv" in lines[0]
+        assert "stored as F16" in lines[0] and "lm_head" in lines[0]
+
+
 def linears(model: torch.nn.Module) -> dict[str, Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
 
