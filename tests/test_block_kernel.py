@@ -123,13 +123,24 @@ def test_the_test_quantiser_packs_k_blocks_that_gguf_reads_back_near_the_weights
     assert np.abs(back - weights).max() <= bound * np.abs(weights).max()
 
 
-def test_q4_0_and_q5_0_parts_fuse_with_q8_0_exactly() -> None:
-    """llama.cpp's quantiser writes a narrow model's q and k as Q5_0 beside a Q8_0 v: they fuse as Q8_0."""
-    parts = [file_blocks("Q5_0", 8, 64, 1), file_blocks("Q4_0", 4, 64, 2), file_blocks("Q8_0", 4, 64, 3)]
+@pytest.mark.parametrize("kinds,bits", [(["Q5_0", "Q4_0", "Q8_0"], 8), (["Q5_1", "Q4_1", "Q8_0"], block_kernel.Q8M)])
+def test_legacy_parts_fuse_with_q8_0_exactly(kinds: list[str], bits: int) -> None:
+    """llama.cpp's quantiser writes a narrow model's q and k as Q5_0 (Q4_K_M) or Q5_1 (Q5_K_M) beside a Q8_0 v: they
+    fuse as 8-bit codes, with offsets where a part has them."""
+    parts = [file_blocks(kind, 8, 64, seed) for seed, kind in enumerate(kinds)]
     fused = BlockWeights.stack(parts)
-    assert fused.bits == 8 and torch.equal(fused.dequantise(), torch.cat([p.dequantise() for p in parts]))
+    assert fused.bits == bits and torch.equal(fused.dequantise(), torch.cat([p.dequantise() for p in parts]))
     with pytest.raises(ValueError, match="different block types"):
-        BlockWeights.stack([file_blocks("Q5_1", 8, 64), file_blocks("Q8_0", 4, 64)])
+        BlockWeights.stack([file_blocks("Q4_K", 8, 256), file_blocks("Q8_0", 4, 256)])
+
+
+@needs_kernel
+def test_q5_1_parts_beside_q8_0_are_fp32_arithmetic_on_the_exact_weights() -> None:
+    fused = BlockWeights.stack([file_blocks("Q5_1", 67, 256, 1), file_blocks("Q8_0", 5, 256, 2)])
+    check_product(fused)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([block_kernel.product(x[i : i + 1].contiguous(), fused) for i in range(len(x))])
+    assert torch.equal(block_kernel.product(x, fused), alone)
 
 
 def test_other_tensor_types_have_no_blocks() -> None:
@@ -160,6 +171,7 @@ def quantised_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # as llama.cpp's quantiser mixes types in a "Q4_K_M" file: a layer's q and k as Q5_0 beside a Q8_0 v (its fallback
 # where rows are not whole super-blocks), K-quants elsewhere; the first fragment a tensor's name holds decides
 MIXED = {"blk.0.attn_q": "Q5_0", "blk.0.attn_k": "Q5_0", "blk.0.attn_v": "Q8_0", "attn_output": "Q4_K",
+         "blk.2.attn_q": "Q5_1", "blk.2.attn_k": "Q5_1", "blk.2.attn_v": "Q8_0",  # as a Q5_K_M file's
          "attn_": "Q5_K", "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "blk.1.ffn_down": "Q4_K", "ffn_down": "Q6_K",
          "output.": "Q6_K"}
 
@@ -185,7 +197,8 @@ def test_a_mixed_k_quant_file_decodes_from_its_blocks_as_its_fp32_weights_do(mix
     model, tok = loaded.model, loaded.tokenizer
     kinds = {n: m.blocks.bits for n, m in linears(model).items() if m.blocks is not None}
     assert len(kinds) == len(linears(model)) and model.fused is not None
-    assert kinds["blocks.0.attn.qkv"] == 8 and kinds["blocks.1.mlp.down"] == block_kernel.Q4K
+    assert kinds["blocks.0.attn.qkv"] == 8 and kinds["blocks.2.attn.qkv"] == block_kernel.Q8M
+    assert kinds["blocks.1.mlp.down"] == block_kernel.Q4K
     assert {kinds["blocks.0.attn.o"], kinds["blocks.1.attn.qkv"], kinds["lm_head"]} == {
         block_kernel.Q4K, block_kernel.Q5K, block_kernel.Q6K}
     ids = torch.randint(0, loaded.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
@@ -209,14 +222,15 @@ def test_a_weight_left_on_fp32_is_named_with_why_in_one_line(tmp_path: Path, cap
 
     from moaspec.models import load_model
 
-    source = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=9, num_hidden_layers=2)
-    gguf = make_tiny_gguf(source, tmp_path / "tiny.gguf", {"blk.0.attn_v": "Q8_0", "attn_": "Q5_1",
+    source = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=9, num_hidden_layers=2, hidden_size=256,
+                             intermediate_size=512)
+    gguf = make_tiny_gguf(source, tmp_path / "tiny.gguf", {"blk.0.attn_v": "Q8_0", "attn_": "Q4_K",
                                                            "ffn_": "Q4_0", "output.": "F16"})
     for _ in range(2):  # converted and kept, then read back from what was kept: the same line
         load_model(str(gguf), device="cpu")
         lines = [line for line in capsys.readouterr().err.splitlines() if "stay on fp32" in line]
         assert len(lines) == 1 and "2 of 9 weights" in lines[0], lines
-        assert "fuses Q5_1 and Q8_0 parts" in lines[0] and "blocks.0.attn.qkv" in lines[0]
+        assert "fuses Q4_K and Q8_0 parts" in lines[0] and "blocks.0.attn.qkv" in lines[0]
         assert "stored as F16" in lines[0] and "lm_head" in lines[0]
 
 

@@ -30,6 +30,7 @@ from moaspec.fileio import atomic_write_dir
 from moaspec.models.block_kernel import kernel
 from moaspec.models.loading import FLOAT_DTYPES, LoadedModel
 from moaspec.models.packed_linear import INT8_ACTIVATIONS, bf16_kernels, int8_kernels
+from moaspec.models.sources import model_name
 
 FORMAT = "moaspec-drafter"
 VERSION = 1
@@ -115,7 +116,7 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
             f"{target.fingerprint}), another model; train a drafter for this target with `moaspec train`"
         )
     if want.get("fingerprint") != target.fingerprint:
-        print(f"moaspec: the drafter {path.name} learnt from {want.get('name', '?')}'s weights; {target.path.name} "
+        print(f"moaspec: the drafter {path.name} learnt from {want.get('name', '?')}'s weights; {model_name(target.path)} "
               "is the same model quantised otherwise, so its drafts may be accepted less often", file=sys.stderr)
 
 

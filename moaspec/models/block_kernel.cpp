@@ -128,6 +128,24 @@ struct Layout<kQ5> {  // Q5_0/Q5_1: per block 4 bytes of fifth bits (bit i: elem
     }
 };
 
+template <>
+struct Layout<kQ8M> {  // signed 8-bit codes with an fp16 offset per block: fma(q, d, m), exact as for 4-bit codes
+    static constexpr int64_t kSlots = 1;
+    static constexpr int64_t kPerScale = 1;
+    static constexpr int64_t row_bytes(int64_t blocks) { return blocks * kBlock; }
+    static void widen_row(const uint8_t*, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df, float* mf) {
+        widen<4>(d, m, blocks, df, mf);
+    }
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
+        const uint8_t* q = row + b * kBlock;
+        const __m256 vd = _mm256_set1_ps(df[b]), vm = _mm256_set1_ps(mf[b]);
+        for (int j = 0; j < 4; ++j) {
+            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
+            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd, vm);
+        }
+    }
+};
+
 // Q4_K/Q5_K's 12 bytes of eight 6-bit scales and minima (ggml's get_scale_min_k4).
 inline void k_scales(const uint8_t* s, int j, int& scale, int& min) {
     if (j < 4) {
@@ -355,6 +373,7 @@ void block_product(const float* x, int64_t M, const BlockView& w, float* y) {
         case kQ4K: product_into<kQ4K>(x, M, w, y); break;
         case kQ5K: product_into<kQ5K>(x, M, w, y); break;
         case kQ6K: product_into<kQ6K>(x, M, w, y); break;
+        case kQ8M: product_into<kQ8M>(x, M, w, y); break;
         default: product_into<8>(x, M, w, y);
     }
 }
@@ -368,6 +387,7 @@ std::pair<int64_t, int64_t> row_layout(int64_t bits, int64_t blocks) {
         case kQ4K: return {Layout<kQ4K>::row_bytes(blocks), 8};
         case kQ5K: return {Layout<kQ5K>::row_bytes(blocks), 8};
         case kQ6K: return {Layout<kQ6K>::row_bytes(blocks), 8};
+        case kQ8M: return {Layout<kQ8M>::row_bytes(blocks), 1};
         default: TORCH_CHECK(false, "unknown block layout ", bits);
     }
 }

@@ -36,7 +36,8 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",  # no contract
 
 
 Q5 = 5  # layouts beyond 4- and 8-bit blocks of 32 (``block_kernel.h``): Q5_0/Q5_1's 5-bit codes,
-Q4K, Q5K, Q6K = 0x104, 0x105, 0x106  # and the K-quants' super-blocks of 256 weights
+Q4K, Q5K, Q6K = 0x104, 0x105, 0x106  # the K-quants' super-blocks of 256 weights,
+Q8M = 0x108  # and signed 8-bit codes with offsets: a fused q/k/v of Q4_1 or Q5_1 parts beside a Q8_0 one
 SUPER = 256  # weights per K-quant super-block
 _SUPER_BYTES = {Q4K: 140, Q5K: 172, Q6K: 208}  # code bytes per super-block (everything but d and dmin)
 
@@ -50,7 +51,8 @@ class BlockWeights:
     Q4_1); 8: one signed code a byte, weight d·q, offsets 0 (Q8_0, which the kernel does not read); :data:`Q5`: per
     block 4 bytes of fifth bits and then 16 as for 4 (Q5_0 and Q5_1); :data:`Q4K`, :data:`Q5K`, :data:`Q6K`:
     super-blocks of 256 with one ``d`` (and ``dmin``, the offsets; Q6_K has none) each, the codes holding the
-    rest of ggml's super-block as the file stores it (sub-block scales, high bits, nibbles)."""
+    rest of ggml's super-block as the file stores it (sub-block scales, high bits, nibbles); :data:`Q8M`: as 8 with
+    offsets, weight d·q + m (no file type: what :meth:`stack` makes of Q4_1/Q5_1 parts beside Q8_0 ones)."""
 
     bits: int
     codes: torch.Tensor  # uint8 [out, in / 32 * code bytes per block]
@@ -60,7 +62,7 @@ class BlockWeights:
     def __post_init__(self) -> None:
         if self.codes.dtype != torch.uint8 or self.scales.dtype != torch.float16 or self.offsets.dtype != torch.float16:
             raise ValueError("blocks hold uint8 codes and fp16 scales and offsets")
-        if self.bits not in (4, 8, Q5, *_SUPER_BYTES):
+        if self.bits not in (4, 8, Q5, Q8M, *_SUPER_BYTES):
             raise ValueError(f"unknown block layout {self.bits}")
         if self.bits in (8, Q6K) and bool(self.offsets.any()):
             raise ValueError("Q8_0 and Q6_K blocks have no offset: their offsets must be 0")
@@ -81,7 +83,7 @@ class BlockWeights:
             return _dequantise_k(self).reshape(out, cols)
         blocks = cols // BLOCK
         codes = self.codes.view(out, blocks, -1)
-        if self.bits == 8:
+        if self.bits in (8, Q8M):
             q = codes.view(torch.int8).float()
         else:
             nibbles = codes[..., -16:]
@@ -97,18 +99,22 @@ class BlockWeights:
         return BlockWeights(self.bits, self.codes[index].contiguous(), self.scales[index].contiguous(),
                             self.offsets[index].contiguous())
 
-    def as_q8_0(self) -> BlockWeights | None:
-        """The same weights as Q8_0 blocks, where that is exact: 4- and 5-bit blocks whose offsets are
-        -8·d and -16·d (Q4_0, Q5_0: codes q - 8 and q - 16 fit a signed byte); ``None`` otherwise."""
-        if self.bits == 8:
+    def as_8_bit(self) -> BlockWeights | None:
+        """The same weights with a signed byte a code, exactly: Q8_0 blocks for 4- and 5-bit blocks whose offsets
+        are -8·d and -16·d (Q4_0, Q5_0: codes q - 8 and q - 16), :data:`Q8M` blocks for other 4- and 5-bit ones
+        (Q4_1, Q5_1: codes q, offsets kept); ``None`` for the K-quants, whose scales are not per block of 32."""
+        if self.bits in (8, Q8M):
             return self
-        if self.bits not in (4, Q5) or not torch.equal(self.offsets, self.scales * -(8 if self.bits == 4 else 16)):
+        if self.bits not in (4, Q5):
             return None
-        out, cols = self.shape
         centre = 8 if self.bits == 4 else 16
+        centred = torch.equal(self.offsets, self.scales * -centre)
         plain = BlockWeights(self.bits, self.codes, torch.ones_like(self.scales), torch.zeros_like(self.offsets))
-        codes = (plain.dequantise() - centre).to(torch.int8).view(torch.uint8).contiguous()
-        return BlockWeights(8, codes, self.scales, torch.zeros_like(self.offsets))
+        q = plain.dequantise() - (centre if centred else 0)
+        codes = q.to(torch.int8).view(torch.uint8).contiguous()
+        if centred:
+            return BlockWeights(8, codes, self.scales, torch.zeros_like(self.offsets))
+        return BlockWeights(Q8M, codes, self.scales, self.offsets)
 
     @staticmethod
     def q8_0(weight: torch.Tensor) -> BlockWeights:
@@ -128,13 +134,16 @@ class BlockWeights:
     @staticmethod
     def stack(parts: list[BlockWeights]) -> BlockWeights:
         """Several weights of the same input width, one above the other (a fused q/k/v). Parts of different
-        layouts are all taken as Q8_0 where that is exact (a Q5_0 q and k beside a Q8_0 v, as llama.cpp's
-        quantiser writes narrow models); otherwise :class:`ValueError`."""
+        layouts are all taken as 8-bit codes, which is exact (a Q5_0 or Q5_1 q and k beside a Q8_0 v, as llama.cpp's
+        quantiser writes narrow models): as Q8_0 where none needs an offset, else as :data:`Q8M`; K-quant parts
+        among others raise :class:`ValueError`."""
         if len({p.bits for p in parts}) != 1:
-            widened = [p.as_q8_0() for p in parts]
+            widened = [p.as_8_bit() for p in parts]
             if any(w is None for w in widened):
-                raise ValueError("fused weights of different block types, not all exactly Q8_0")
+                raise ValueError("fused weights of different block types, not all exactly 8-bit codes")
             parts = cast(list[BlockWeights], widened)
+            if any(p.bits == Q8M for p in parts):
+                parts = [BlockWeights(Q8M, p.codes, p.scales, p.offsets) for p in parts]
         return BlockWeights(parts[0].bits, torch.cat([p.codes for p in parts]).contiguous(),
                             torch.cat([p.scales for p in parts]).contiguous(),
                             torch.cat([p.offsets for p in parts]).contiguous())

@@ -163,7 +163,7 @@ def gguf_blocks(model: Transformer, gguf: Path) -> tuple[dict[str, BlockWeights]
                  for p, h in zip(cast(list[BlockWeights], found), heads)]
         try:
             return parts[0] if len(parts) == 1 else BlockWeights.stack(parts)
-        except ValueError:  # e.g. a Q5_1 q and k beside a Q8_0 v: no one layout holds all three exactly
+        except ValueError:  # e.g. a Q4_K q and k beside a Q8_0 v: no one layout holds all three exactly
             kinds = sorted({tensors[n].tensor_type.name for n in names})
             return f"fuses {' and '.join(kinds)} parts, which share no block type exactly"
 
