@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ggml_pack import quantise_k, random_k_blocks
-
 from moaspec.models import block_kernel, gguf_blocks
 from moaspec.models.block_kernel import BlockWeights
 from moaspec.models.packed_linear import Linear
@@ -218,9 +217,8 @@ def test_a_mixed_k_quant_file_decodes_from_its_blocks_as_its_fp32_weights_do(mix
 
 @needs_kernel
 def test_a_weight_left_on_fp32_is_named_with_why_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tiny import make_tiny_gguf, make_tiny_model
-
     from moaspec.models import load_model
+    from tiny import make_tiny_gguf, make_tiny_model
 
     source = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=9, num_hidden_layers=2, hidden_size=256,
                              intermediate_size=512)

@@ -356,9 +356,8 @@ def test_refuses_a_drafter_for_another_target(tiny_llama, tiny_dirs, tmp_path: P
 def test_a_drafter_serves_another_quantisation_of_its_target_and_says_so(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     """The same source model in another GGUF file type has other weights (another fingerprint) but the same
     lineage: its drafter loads, with one line; a model of another name, same shapes and tokenizer, is refused."""
-    from tiny import make_tiny_gguf, make_tiny_model
-
     from moaspec.models import load_model
+    from tiny import make_tiny_gguf, make_tiny_model
 
     source = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=3)
 

@@ -85,10 +85,11 @@ def make_tiny_gguf(source: Path, out: Path, quantise: dict[str, str] | None = No
     the rest as fp32. ``name``: the source model's ``general.name``, as llama.cpp's converter writes it."""
     import json
 
-    from ggml_pack import quantise_k
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    from ggml_pack import quantise_k
 
     hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     cfg, state = hf.config, hf.state_dict()

@@ -36,8 +36,9 @@ def gguf_source(gguf: Path) -> dict[str, str]:
 
 def lineage(path: Path, identity: dict[str, Any], tokenizer: Any) -> str | None:
     """A short hash of ``identity`` (the config's, :meth:`~moaspec.models.config.ModelConfig.identity`), the
-    tokenizer's vocabulary and the source model named by the GGUF file the model directory ``path`` was
-    converted from; ``None`` if ``path`` is no such conversion or the file names no source. Kept in ``path``."""
+    tokenizer's vocabulary (``tokenizer``, or ``path``'s when ``None``) and the source model named by the GGUF file
+    the model directory ``path`` was converted from; ``None`` if ``path`` is no such conversion or the file names no
+    source. Kept in ``path``."""
     kept = path / KEPT
     try:
         return json.loads(kept.read_text())["lineage"]  # type: ignore[no-any-return]
@@ -50,6 +51,10 @@ def lineage(path: Path, identity: dict[str, Any], tokenizer: Any) -> str | None:
     found = None
     if source:
         h = hashlib.sha256(json.dumps({"config": identity, "source": source}, sort_keys=True).encode())
+        if tokenizer is None:
+            from moaspec.models.loading import load_tokenizer  # loading imports this module
+
+            tokenizer = load_tokenizer(path)
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
         found = h.hexdigest()[:16]
     try:

@@ -48,7 +48,7 @@ class LoadedModel:
     def lineage(self) -> str | None:
         """Identity of the model whatever its quantisation, where its GGUF file names its source (see
         :mod:`moaspec.models.lineage`): what a drafter trained on another quantisation must share."""
-        return lineage(self.path, self.cfg.identity(), self.tokenizer or load_tokenizer(self.path))
+        return lineage(self.path, self.cfg.identity(), self.tokenizer)
 
 
 def default_device() -> torch.device:
