@@ -34,6 +34,9 @@ llama-cpp-python is not a dependency of the project (it compiles llama.cpp, ~15 
 
     .venv/bin/pip install llama-cpp-python==0.3.36
     .venv/bin/python benchmarks/llama_cpp_peer.py --per-file 10 --max-new-tokens 256 --threads 2
+
+``--model FILE.gguf`` runs both on another GGUF file of the default model (``quantise_default.py`` writes the
+usual ones: Q4_K_M, ...), with the shipped drafter, which serves every quantisation of its target.
 """
 
 from __future__ import annotations
@@ -60,9 +63,10 @@ from moaspec.models.sources import default_gguf_path
 Run = Callable[[list[int], int], tuple[list[int], float]]  # (prompt ids, max new tokens) -> (new ids, seconds)
 
 
-def load_llama(threads: int, context: int, logits_all: bool = False, lookup: int = 0) -> Any:
-    """llama-cpp-python's model of the default GGUF file, with its prompt-lookup drafter of ``lookup`` tokens
-    when > 0 (also used by ``llama_cpp_rows.py``), or an exit that says how to install it."""
+def load_llama(threads: int, context: int, logits_all: bool = False, lookup: int = 0, model: str | None = None) -> Any:
+    """llama-cpp-python's model of the GGUF file ``model`` (default: the default target's), with its prompt-lookup
+    drafter of ``lookup`` tokens when > 0 (also used by ``llama_cpp_rows.py``), or an exit that says how to
+    install it."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -71,15 +75,15 @@ def load_llama(threads: int, context: int, logits_all: bool = False, lookup: int
     draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
     # with a draft model llama-cpp-python keeps every position's logits but sizes their buffer by logits_all
     # alone (0.3.36): without it a prompt longer than n_batch overflows the buffer
-    return Llama(model_path=str(default_gguf_path()), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+    return Llama(model_path=model or str(default_gguf_path()), n_ctx=context, n_threads=threads, n_threads_batch=threads,
                  n_batch=512, logits_all=logits_all or draft is not None, draft_model=draft, verbose=False)
 
 
-def llama_cpp_runner(threads: int, context: int, lookup: int, stops: set[int]) -> Run:
-    """Greedy decoding by llama-cpp-python on the default GGUF file, ``lookup`` > 0 with its prompt-lookup
-    drafter, ending at the tokens this runtime stops at; each call starts from an empty cache
-    (llama-cpp-python would otherwise reuse a shared prefix)."""
-    llm = load_llama(threads, context, lookup=lookup)
+def llama_cpp_runner(threads: int, context: int, lookup: int, stops: set[int], model: str | None) -> Run:
+    """Greedy decoding by llama-cpp-python on the GGUF file ``model`` (default: the default target's), ``lookup``
+    > 0 with its prompt-lookup drafter, ending at the tokens this runtime stops at; each call starts from an
+    empty cache (llama-cpp-python would otherwise reuse a shared prefix)."""
+    llm = load_llama(threads, context, lookup=lookup, model=model)
 
     def run(prompt: list[int], max_new: int) -> tuple[list[int], float]:
         llm.reset()
@@ -139,8 +143,8 @@ def main() -> None:
         "default-torch-drafter": lambda: moaspec_runner(
             lm, decoding_strategy(lm, drafter, drafter_dtype="float32"), stops),
         "default-candidate": lambda: moaspec_runner(lm, decoding_strategy(lm, args.candidate), stops),
-        "llama.cpp": lambda: llama_cpp_runner(args.threads, context, 0, stops),
-        "llama.cpp-pld": lambda: llama_cpp_runner(args.threads, context, args.lookup, stops),
+        "llama.cpp": lambda: llama_cpp_runner(args.threads, context, 0, stops, args.model),
+        "llama.cpp-pld": lambda: llama_cpp_runner(args.threads, context, args.lookup, stops, args.model),
     }
     wanted = {m.strip() for m in args.methods.split(",")} | {"plain"}
     if args.candidate:

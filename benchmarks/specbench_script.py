@@ -24,8 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def parser(doc: str | None, per_file: int) -> argparse.ArgumentParser:
-    """A parser with --questions, --per-file, --drafter, --threads and --output; the script adds its own."""
+    """A parser with --model, --questions, --per-file, --drafter, --threads and --output; the script adds its own."""
     ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    ap.add_argument("--model", default=None, help="the target: a GGUF file or model directory (default: the default "
+                                                  "model, SmolLM2-135M-Instruct as Q4_1)")
     ap.add_argument("--questions", default=str(REPO.parent / "shared" / "specbench"))
     ap.add_argument("--per-file", type=int, default=per_file, help="the first K questions of each file")
     ap.add_argument("--skip", type=int, default=0,
@@ -48,9 +50,9 @@ def questions(args: argparse.Namespace) -> list[Question]:
 
 
 def target_and_drafter_path(args: argparse.Namespace) -> tuple[LoadedModel, str]:
-    """The default target on this CPU with ``--threads`` threads, and the drafter to load for it."""
+    """The target ``--model`` names on this CPU with ``--threads`` threads, and the drafter to load for it."""
     torch.set_num_threads(args.threads)
-    lm = load_model(None, device="cpu")
+    lm = load_model(args.model, device="cpu")
     return lm, str(args.drafter or shipped_drafter(lm))
 
 

@@ -47,7 +47,8 @@ Prompt = str | Sequence[Message] | Sequence[int]
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message + "; train one with `moaspec train` and pass its directory as drafter=", stacklevel=3)
+    warnings.warn(message + "; get one with `moaspec data` (the target's answers) and `moaspec train`, and pass its "
+                  "directory as drafter=", stacklevel=3)
 
 
 def decoding_given(chain: int | None, tree: TreeShape | None, lookup: int | None, confidence: float | None) -> bool:
@@ -88,8 +89,10 @@ def decoding_strategy(target: LoadedModel, drafter: DrafterChoice = SHIPPED, *, 
 
         path = shipped_drafter(target)
         if path is None:
-            how = f"prompt lookup alone (up to {lookup} drafts)" if lookup else "plain decoding"
-            notify(f"no drafter ships for {target.path.name}; decoding with {how}")
+            how = f"prompt lookup alone (lookup {lookup})" if lookup else "plain decoding"
+            from moaspec.models.sources import model_name
+
+            notify(f"no drafter ships for {model_name(target.path)}; decoding with {how}")
             return Strategy(lookup=lookup, policy=_policy(target, None, None) if by_cost and lookup else None)
     else:
         path = Path(drafter)

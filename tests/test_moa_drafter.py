@@ -353,6 +353,29 @@ def test_refuses_a_drafter_for_another_target(tiny_llama, tiny_dirs, tmp_path: P
         load_drafter(path, load_model_dir(tiny_dirs["qwen2"], device="cpu"))
 
 
+def test_a_drafter_serves_another_quantisation_of_its_target_and_says_so(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The same source model in another GGUF file type has other weights (another fingerprint) but the same
+    lineage: its drafter loads, with one line; a model of another name, same shapes and tokenizer, is refused."""
+    from moaspec.models import load_model
+    from tiny import make_tiny_gguf, make_tiny_model
+
+    source = make_tiny_model(tmp_path / "qwen2", "qwen2", seed=3)
+
+    def quantised(kind: str, name: str):  # type: ignore[no-untyped-def]
+        gguf = make_tiny_gguf(source, tmp_path / f"{name}.{kind}.gguf", {"blk.": kind}, name=name)
+        return load_model(str(gguf), device="cpu")
+
+    q8 = quantised("Q8_0", "Tiny")
+    path = save_drafter(make_drafter(q8), tmp_path / "d", target_identity(q8))
+    q4 = quantised("Q4_1", "Tiny")
+    assert q4.fingerprint != q8.fingerprint and q4.lineage == q8.lineage is not None
+    capsys.readouterr()
+    load_drafter(path, q4, torch.float32)
+    assert "is the same model quantised otherwise" in capsys.readouterr().err
+    with pytest.raises(DrafterError, match="another model"):
+        load_drafter(path, quantised("Q4_1", "Other"))
+
+
 def test_shipped_drafters_are_found_by_kind_and_target(tiny_llama, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """MoA and its EAGLE baseline ship side by side; decoding must get MoA, `bench --methods eagle2` EAGLE."""
     import moaspec.drafters as drafters

@@ -98,6 +98,18 @@ def test_the_default_target_decodes_from_its_gguf_blocks(real_model) -> None:  #
     assert real_model.model.fused is not None
 
 
+def test_the_shipped_drafters_name_the_default_targets_lineage(real_model) -> None:  # type: ignore[no-untyped-def]
+    """What lets them serve the default model's other quantisations (Q4_K_M, ...): a change to how the lineage
+    is worked out must update their config.json too."""
+    import json
+
+    from moaspec.drafters import SHIPPED
+
+    for cfg in SHIPPED.glob("smollm2-*/config.json"):
+        target = json.loads(cfg.read_text())["target"]
+        assert (target["fingerprint"], target["lineage"]) == (real_model.fingerprint, real_model.lineage), cfg
+
+
 def test_greedy_equals_transformers_generate(real_model, hf) -> None:  # type: ignore[no-untyped-def]
     for prompt in PROMPTS:
         ids = encode_chat(real_model.tokenizer, chat_messages(prompt))

@@ -76,17 +76,20 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, vocab_size
 
 
 
-def make_tiny_gguf(source: Path, out: Path, quantise: dict[str, str] | None = None) -> Path:
+def make_tiny_gguf(source: Path, out: Path, quantise: dict[str, str] | None = None, name: str | None = None) -> Path:
     """Write the tiny HF model at ``source`` (a Qwen2 or Qwen3 one) as a GGUF file, as llama.cpp names its tensors
     and keys, with its tokenizer (byte-level BPE: tokens, merges) and chat template; return ``out``.
 
-    ``quantise`` maps GGUF tensor-name fragments to a ggml block type ("Q4_1", ...): matrices whose name holds
-    the fragment are stored in it (with gguf's own quantiser), the rest as fp32."""
+    ``quantise`` maps GGUF tensor-name fragments to a ggml block type ("Q4_1", "Q6_K", ...): matrices whose name
+    holds the first such fragment are stored in it (with gguf's own quantiser; K-quants with :mod:`ggml_pack`'s),
+    the rest as fp32. ``name``: the source model's ``general.name``, as llama.cpp's converter writes it."""
     import json
 
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    from ggml_pack import quantise_k
 
     hf = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     cfg, state = hf.config, hf.state_dict()
@@ -113,6 +116,8 @@ def make_tiny_gguf(source: Path, out: Path, quantise: dict[str, str] | None = No
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if name is not None:
+        writer.add_name(name)
     for gguf_name, hf_name in get_gguf_hf_weights_map(hf, TensorProcessor()).items():
         if hf_name not in state:
             continue
@@ -122,7 +127,8 @@ def make_tiny_gguf(source: Path, out: Path, quantise: dict[str, str] | None = No
             writer.add_tensor(gguf_name, array)
         else:
             qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name, quants.quantize(array, qtype), raw_dtype=qtype)
+            data = quantise_k(kind, array) if kind.endswith("_K") else quants.quantize(array, qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

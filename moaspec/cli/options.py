@@ -203,7 +203,8 @@ def strategy_for(args: argparse.Namespace, loaded):  # type: ignore[no-untyped-d
         raise MoaspecError("--chain and --tree are two ways to draft: give one")
 
     def notify(message: str) -> None:
-        print(f"moaspec: {message} (train one with `moaspec train`, then pass --drafter)", file=sys.stderr)
+        print(f"moaspec: {message} (to get one: `moaspec data` writes the target's answers, `moaspec train` learns "
+              "from them, then pass --drafter)", file=sys.stderr)
 
     return decoding_strategy(loaded, None if args.no_draft else args.drafter or SHIPPED, chain=args.chain,
                              tree=tree_shape(args), lookup=args.lookup, confidence=args.draft_confidence,

@@ -3,14 +3,16 @@
 The JSON holds the drafter's kind and architecture (including N and the draft
 vocabulary size; the vocabulary itself is a tensor in the safetensors file), the
 identity of the target it was trained for (name, shapes and a fingerprint of its
-weights), and a free-form training summary. Loading refuses a target whose
-fingerprint differs: a drafter is only useful for the model it learnt from.
+weights, and the lineage its quantisations share), and a free-form training summary. Loading refuses a
+target of another lineage (or, where the drafter names none, of another fingerprint): a drafter is only
+useful for the model it learnt from, in whatever quantisation.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from moaspec.fileio import atomic_write_dir
 from moaspec.models.block_kernel import kernel
 from moaspec.models.loading import FLOAT_DTYPES, LoadedModel
 from moaspec.models.packed_linear import INT8_ACTIVATIONS, bf16_kernels, int8_kernels
+from moaspec.models.sources import model_name
 
 FORMAT = "moaspec-drafter"
 VERSION = 1
@@ -49,9 +52,17 @@ class DrafterError(MoaspecError):
 def target_identity(target: LoadedModel) -> dict[str, Any]:
     cfg = target.cfg
     return {
-        "name": target.path.name, "fingerprint": target.fingerprint, "family": cfg.family,
+        "name": target.path.name, "fingerprint": target.fingerprint, "lineage": target.lineage, "family": cfg.family,
         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
     }
+
+
+def serves(want: dict[str, Any], target: LoadedModel) -> bool:
+    """Whether a drafter made for ``want`` (its config's "target") serves ``target``: the same weights, or the
+    same model in another quantisation (the same lineage, :mod:`moaspec.models.lineage`)."""
+    if want.get("fingerprint") == target.fingerprint:
+        return True
+    return want.get("lineage") is not None and want.get("lineage") == target.lineage
 
 
 def save_drafter(drafter: Drafter, path: str | Path, target: dict[str, Any], training: dict[str, Any] | None = None,
@@ -98,12 +109,15 @@ def check_target(meta: dict[str, Any], target: LoadedModel, path: Path) -> None:
     want = meta.get("target")
     if not isinstance(want, dict):
         raise DrafterError(f"{path} does not say which target it was trained for (no \"target\" in its config.json)")
-    if want.get("fingerprint") != target.fingerprint:
+    if not serves(want, target):
         raise DrafterError(
             f"the drafter {path} was trained for target {want.get('name', '?')} (fingerprint "
             f"{want.get('fingerprint', '?')}), but the target loaded is {target.path.name} (fingerprint "
-            f"{target.fingerprint}); train a drafter for this target with `moaspec train`"
+            f"{target.fingerprint}), another model; train a drafter for this target with `moaspec train`"
         )
+    if want.get("fingerprint") != target.fingerprint:
+        print(f"moaspec: the drafter {path.name} learnt from {want.get('name', '?')}'s weights; {model_name(target.path)} "
+              "is the same model quantised otherwise, so its drafts may be accepted less often", file=sys.stderr)
 
 
 DTYPE_VARIABLE = "MOASPEC_DRAFTER_DTYPE"  # what `--drafter-dtype` sets; processes it starts (servers) inherit it

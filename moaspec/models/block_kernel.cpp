@@ -24,6 +24,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "block_kernel.h"
@@ -57,6 +59,19 @@ inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
     }
 }
 
+// 8 codes of 8 bytes each widened to 32-bit lanes, shifted right by `shift` and masked to `mask`.
+inline __m256i unpack8(const uint8_t* q, int shift, int mask) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(mask));
+}
+
+// 8 lanes of (bits >> (first + lane)) & 1, times 16: the fifth bit of 8 consecutive 5-bit codes.
+inline __m256i fifth_bits(uint32_t bits, int first) {
+    const __m256i lanes = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
+    return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), lanes),
+                                              _mm256_set1_epi32(1)), 4);
+}
+
 template <int Bits>
 constexpr int64_t block_bytes() { return Bits == 4 ? kBlock / 2 : kBlock; }
 
@@ -76,18 +91,164 @@ void widen(const uint16_t* d, const uint16_t* m, int64_t n, float* df, float* mf
     }
 }
 
-// y[0, n0:n1] for one activation row: weight rows in fours, each block decoded in registers and used at once.
+// How each layout (BlockView::bits) lays out a row and decodes its blocks of 32. `widen` turns a row's stored
+// scales into fp32 (scale, offset) pairs, kSlots per block of 32 (Q6_K scales every 16 weights); `decode` rebuilds
+// block b's 32 weights from them, exactly as GGUF dequantises them (ggml's dequantize_row_* functions).
 template <int Bits>
+struct Layout {  // Q4_0/Q4_1 (4) and Q8_0 (8): fp16 scale and offset per block, read as they are
+    static constexpr int64_t kSlots = 1;
+    static constexpr int64_t kPerScale = 1;  // blocks of 32 per stored scale
+    static constexpr int64_t row_bytes(int64_t blocks) { return blocks * block_bytes<Bits>(); }
+    static void widen_row(const uint8_t*, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df, float* mf) {
+        widen<Bits>(d, m, blocks, df, mf);
+    }
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
+        decode_block<Bits>(row + b * block_bytes<Bits>(), df[b], mf[b], w);
+    }
+};
+
+template <>
+struct Layout<kQ5> {  // Q5_0/Q5_1: per block 4 bytes of fifth bits (bit i: element i), then 16 as Q4's
+    static constexpr int64_t kSlots = 1;
+    static constexpr int64_t kPerScale = 1;
+    static constexpr int64_t row_bytes(int64_t blocks) { return blocks * 20; }
+    static void widen_row(const uint8_t*, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df, float* mf) {
+        widen<4>(d, m, blocks, df, mf);
+    }
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
+        const uint8_t* q = row + b * 20;
+        uint32_t high;
+        std::memcpy(&high, q, 4);
+        const __m256 vd = _mm256_set1_ps(df[b]), vm = _mm256_set1_ps(mf[b]);
+        for (int j = 0; j < 4; ++j) {  // elements 8j..8j+7: low nibbles of bytes 0..15, then high nibbles
+            const __m256i low = unpack8(q + 4 + 8 * (j & 1), 4 * (j >> 1), 0x0F);
+            const __m256i code = _mm256_or_si256(low, fifth_bits(high, 8 * j));
+            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), vd, vm);
+        }
+    }
+};
+
+template <>
+struct Layout<kQ8M> {  // signed 8-bit codes with an fp16 offset per block: fma(q, d, m), exact as for 4-bit codes
+    static constexpr int64_t kSlots = 1;
+    static constexpr int64_t kPerScale = 1;
+    static constexpr int64_t row_bytes(int64_t blocks) { return blocks * kBlock; }
+    static void widen_row(const uint8_t*, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df, float* mf) {
+        widen<4>(d, m, blocks, df, mf);
+    }
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
+        const uint8_t* q = row + b * kBlock;
+        const __m256 vd = _mm256_set1_ps(df[b]), vm = _mm256_set1_ps(mf[b]);
+        for (int j = 0; j < 4; ++j) {
+            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
+            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd, vm);
+        }
+    }
+};
+
+// Q4_K/Q5_K's 12 bytes of eight 6-bit scales and minima (ggml's get_scale_min_k4).
+inline void k_scales(const uint8_t* s, int j, int& scale, int& min) {
+    if (j < 4) {
+        scale = s[j] & 63;
+        min = s[j + 4] & 63;
+    } else {
+        scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+template <int Bits>
+struct KLayout {  // Q4_K (4) and Q5_K (5): super-blocks of 256 whose fp16 d and dmin are the scales and offsets;
+    // per super-block, the codes hold the 12 scale bytes, Q5_K's 32 bytes of fifth bits, then 128 of nibbles.
+    // Block j of 8 has weights d*sc_j*q - dmin*m_j: d*sc_j and dmin*m_j are exact in fp32 (17 bits), so is d*sc_j*q
+    // (at most 22), and the one rounding, fma(q, d*sc_j, -dmin*m_j), is that of ggml's d*sc_j*q - dmin*m_j.
+    static constexpr int64_t kSlots = 1;
+    static constexpr int64_t kPerScale = 8;
+    static constexpr int64_t kHigh = Bits == 5 ? 32 : 0;
+    static constexpr int64_t kSuper = 12 + kHigh + 128;
+    static constexpr int64_t row_bytes(int64_t blocks) { return blocks / 8 * kSuper; }
+    static void widen_row(const uint8_t* row, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df,
+                          float* mf) {
+        for (int64_t s = 0; s < blocks / 8; ++s) {
+            const float ds = _cvtsh_ss(d[s]), ms = _cvtsh_ss(m[s]);
+            for (int j = 0; j < 8; ++j) {
+                int scale, min;
+                k_scales(row + s * kSuper, j, scale, min);
+                df[8 * s + j] = ds * static_cast<float>(scale);
+                mf[8 * s + j] = -(ms * static_cast<float>(min));
+            }
+        }
+    }
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
+        const int j = static_cast<int>(b % 8);
+        const uint8_t* super = row + b / 8 * kSuper;
+        const uint8_t* nibbles = super + 12 + kHigh + 32 * (j / 2);  // blocks 2i and 2i+1 share 32 bytes
+        const __m256 vd = _mm256_set1_ps(df[b]), vm = _mm256_set1_ps(mf[b]);
+        for (int g = 0; g < 4; ++g) {
+            __m256i code = unpack8(nibbles + 8 * g, 4 * (j & 1), 0x0F);
+            if constexpr (Bits == 5)  // bit j of high byte l is block j's element l
+                code = _mm256_or_si256(code, _mm256_slli_epi32(unpack8(super + 12 + 8 * g, j, 1), 4));
+            w[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), vd, vm);
+        }
+    }
+};
+
+template <>
+struct Layout<kQ4K> : KLayout<4> {};
+template <>
+struct Layout<kQ5K> : KLayout<5> {};
+
+template <>
+struct Layout<kQ6K> {  // super-blocks of 256 whose fp16 d is the scale (offsets unused): per super-block the codes
+    // hold 128 bytes of low nibbles, 64 of 2-bit high parts, then 16 signed 8-bit scales, one per 16 weights.
+    // Weight = d*sc*(q - 32): d*sc is exact in fp32 (18 bits), so is its product with q - 32 (at most 23), and
+    // fma(q, d*sc, -32*d*sc) rounds that exact value to itself.
+    static constexpr int64_t kSlots = 2;
+    static constexpr int64_t kPerScale = 8;
+    static constexpr int64_t kSuper = 208;
+    static constexpr int64_t row_bytes(int64_t blocks) { return blocks / 8 * kSuper; }
+    static void widen_row(const uint8_t* row, const uint16_t* d, const uint16_t*, int64_t blocks, float* df,
+                          float* mf) {
+        for (int64_t s = 0; s < blocks / 8; ++s) {
+            const float ds = _cvtsh_ss(d[s]);
+            const int8_t* sc = reinterpret_cast<const int8_t*>(row + s * kSuper + 192);
+            for (int i = 0; i < 16; ++i) {  // block b of the super-block: scales 2b and 2b+1 (see decode)
+                const int h = i / 8, j = (i % 8) / 2, t = i % 2;  // half, block of the half, which 16
+                const float v = ds * static_cast<float>(sc[8 * h + 2 * j + t]);
+                df[16 * s + i] = v;
+                mf[16 * s + i] = -32.0f * v;
+            }
+        }
+    }
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
+        const int h = static_cast<int>(b % 8) / 4, j = static_cast<int>(b % 4);  // half of 128, block of 32 in it
+        const uint8_t* super = row + b / 8 * kSuper;
+        const uint8_t* low = super + 64 * h + 32 * (j & 1);  // element l of block j: nibble j/2 of low[l]
+        const uint8_t* high = super + 128 + 32 * h;          // and bits 2j, 2j+1 of high[l]
+        for (int g = 0; g < 4; ++g) {
+            const __m256i code = _mm256_or_si256(unpack8(low + 8 * g, 4 * (j >> 1), 0x0F),
+                                                 _mm256_slli_epi32(unpack8(high + 8 * g, 2 * j, 3), 4));
+            const int64_t slot = 2 * b + g / 2;
+            w[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_set1_ps(df[slot]), _mm256_set1_ps(mf[slot]));
+        }
+    }
+};
+
+// y[0, n0:n1] for one activation row: weight rows in fours, each block decoded in registers and used at once.
+template <int Kind>
 void one_row(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* y,
              int64_t K, int64_t n0, int64_t n1) {
-    const int64_t blocks = K / kBlock, bb = block_bytes<Bits>(), qrow = blocks * bb;
-    std::vector<float> widened(2 * kRowsAtOnce * blocks, 0.0f);
+    using L = Layout<Kind>;
+    const int64_t blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    const int64_t slots = blocks * L::kSlots;  // fp32 (scale, offset) pairs of a row
+    std::vector<float> widened(2 * kRowsAtOnce * slots, 0.0f);
     float* d0 = widened.data();
-    float* m0 = d0 + kRowsAtOnce * blocks;
+    float* m0 = d0 + kRowsAtOnce * slots;
     int64_t n = n0;
     for (; n + kRowsAtOnce <= n1; n += kRowsAtOnce) {
         const uint8_t* q0 = q + n * qrow;
-        widen<Bits>(d + n * blocks, m + n * blocks, kRowsAtOnce * blocks, d0, m0);
+        for (int64_t r = 0; r < kRowsAtOnce; ++r)
+            L::widen_row(q0 + r * qrow, d + (n + r) * srow, m + (n + r) * srow, blocks, d0 + r * slots, m0 + r * slots);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t b = 0; b < blocks; ++b) {
             const float* xb = x + b * kBlock;
@@ -95,7 +256,7 @@ void one_row(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t
                          x3 = _mm256_loadu_ps(xb + 24);
             __m256 w[4];
 #define MOASPEC_ROW(r, acc)                                                                          \
-            decode_block<Bits>(q0 + (r) * qrow + b * bb, d0[(r) * blocks + b], m0[(r) * blocks + b], w); \
+            L::decode(q0 + (r) * qrow, b, d0 + (r) * slots, m0 + (r) * slots, w);                         \
             acc = _mm256_fmadd_ps(w[0], x0, acc);                                                     \
             acc = _mm256_fmadd_ps(w[1], x1, acc);                                                     \
             acc = _mm256_fmadd_ps(w[2], x2, acc);                                                     \
@@ -113,10 +274,10 @@ void one_row(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t
     }
     for (; n < n1; ++n) {
         __m256 acc = _mm256_setzero_ps();
-        widen<Bits>(d + n * blocks, m + n * blocks, blocks, d0, m0);
+        L::widen_row(q + n * qrow, d + n * srow, m + n * srow, blocks, d0, m0);
         for (int64_t b = 0; b < blocks; ++b) {
             __m256 w[4];
-            decode_block<Bits>(q + n * qrow + b * bb, d0[b], m0[b], w);
+            L::decode(q + n * qrow, b, d0, m0, w);
             for (int j = 0; j < 4; ++j) acc = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + b * kBlock + 8 * j), acc);
         }
         y[n] = reduce(acc);
@@ -125,22 +286,23 @@ void one_row(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t
 
 // y[:, n0:n1] for M activation rows: weight rows decoded in fours into `buf` (4 x K floats), then tiles of
 // kActTile activation rows x 4 weight rows, each (row, weight row) one accumulator as in one_row.
-template <int Bits>
+template <int Kind>
 void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* y,
                int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t blocks = K / kBlock, qrow = blocks * block_bytes<Bits>();
-    std::vector<float> storage(kRowsAtOnce * K + 16), widened(2 * blocks, 0.0f);
+    using L = Layout<Kind>;
+    const int64_t blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    std::vector<float> storage(kRowsAtOnce * K + 16), widened(2 * blocks * L::kSlots, 0.0f);
     float* buf = storage.data();
     float* df = widened.data();
-    float* mf = df + blocks;
+    float* mf = df + blocks * L::kSlots;
     for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
         const int64_t rows = std::min(kRowsAtOnce, n1 - n);
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = n + r;
-            widen<Bits>(d + row * blocks, m + row * blocks, blocks, df, mf);
+            L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, df, mf);
             for (int64_t b = 0; b < blocks; ++b) {
                 __m256 w[4];
-                decode_block<Bits>(q + row * qrow + b * block_bytes<Bits>(), df[b], mf[b], w);
+                L::decode(q + row * qrow, b, df, mf, w);
                 for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * K + b * kBlock + 8 * j, w[j]);
             }
         }
@@ -190,25 +352,44 @@ void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16
 // Weight rows per task: a multiple of kRowsAtOnce, so that tasks never split a group of four.
 constexpr int64_t kGrain = 64;
 
-template <int Bits>
+template <int Kind>
 void product_into(const float* x, int64_t M, const BlockView& w, float* y) {
     const int64_t K = w.cols, N = w.rows;
     at::parallel_for(0, (N + kGrain - 1) / kGrain, 1, [&](int64_t t0, int64_t t1) {
         const int64_t n0 = t0 * kGrain, n1 = std::min(N, t1 * kGrain);
         if (M == 1)
-            one_row<Bits>(x, w.codes, w.scales, w.offsets, y, K, n0, n1);
+            one_row<Kind>(x, w.codes, w.scales, w.offsets, y, K, n0, n1);
         else
-            many_rows<Bits>(x, w.codes, w.scales, w.offsets, y, M, K, N, n0, n1);
+            many_rows<Kind>(x, w.codes, w.scales, w.offsets, y, M, K, N, n0, n1);
     });
 }
 
 }  // namespace
 
 void block_product(const float* x, int64_t M, const BlockView& w, float* y) {
-    if (w.bits == 4)
-        product_into<4>(x, M, w, y);
-    else
-        product_into<8>(x, M, w, y);
+    switch (w.bits) {
+        case 4: product_into<4>(x, M, w, y); break;
+        case kQ5: product_into<kQ5>(x, M, w, y); break;
+        case kQ4K: product_into<kQ4K>(x, M, w, y); break;
+        case kQ5K: product_into<kQ5K>(x, M, w, y); break;
+        case kQ6K: product_into<kQ6K>(x, M, w, y); break;
+        case kQ8M: product_into<kQ8M>(x, M, w, y); break;
+        default: product_into<8>(x, M, w, y);
+    }
+}
+
+// The code bytes of a row of `blocks` blocks of 32 in layout `bits`, and the blocks of 32 per stored scale.
+std::pair<int64_t, int64_t> row_layout(int64_t bits, int64_t blocks) {
+    switch (bits) {
+        case 4: return {Layout<4>::row_bytes(blocks), 1};
+        case 8: return {Layout<8>::row_bytes(blocks), 1};
+        case kQ5: return {Layout<kQ5>::row_bytes(blocks), 1};
+        case kQ4K: return {Layout<kQ4K>::row_bytes(blocks), 8};
+        case kQ5K: return {Layout<kQ5K>::row_bytes(blocks), 8};
+        case kQ6K: return {Layout<kQ6K>::row_bytes(blocks), 8};
+        case kQ8M: return {Layout<kQ8M>::row_bytes(blocks), 1};
+        default: TORCH_CHECK(false, "unknown block layout ", bits);
+    }
 }
 
 void check_tensor(const torch::Tensor& t, c10::ScalarType dtype, int64_t dim, const char* what, bool contiguous) {
@@ -224,14 +405,13 @@ BlockView block_view(const torch::Tensor& q, const torch::Tensor& d, const torch
     check_tensor(q, torch::kUInt8, 2, "codes");
     check_tensor(d, torch::kHalf, 2, "scales");
     check_tensor(m, torch::kHalf, 2, "offsets");
-    TORCH_CHECK(bits == 4 || bits == 8, "blocks hold 4- or 8-bit codes, not ", bits);
     TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kUInt8 && q.dim() == 2 && q.is_contiguous(),
                 "codes must be contiguous 2-D uint8 CPU tensors");
     TORCH_CHECK(d.scalar_type() == torch::kHalf && m.scalar_type() == torch::kHalf && d.dim() == 2 &&
                 d.is_contiguous() && m.is_contiguous() && m.sizes() == d.sizes() && d.size(0) == q.size(0),
                 "scales and offsets must be contiguous fp16, one per block");
-    const int64_t blocks = d.size(1);
-    TORCH_CHECK(q.size(1) == blocks * (bits == 4 ? kBlock / 2 : kBlock), "codes do not match the scales");
+    const int64_t per_scale = row_layout(bits, 8).second, blocks = d.size(1) * per_scale;
+    TORCH_CHECK(q.size(1) == row_layout(bits, blocks).first, "codes do not match the scales");
     return BlockView{static_cast<int>(bits), q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                      reinterpret_cast<const uint16_t*>(m.data_ptr()), q.size(0), blocks * kBlock};
 }
@@ -255,11 +435,7 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& q, const torc
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-    module.def("q4", [](const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
-        return product(x, q, d, m, 4); }, "y = x @ W.T for 4-bit block codes W (fp32 arithmetic)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-    module.def("q8", [](const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
-        return product(x, q, d, m, 8); }, "y = x @ W.T for 8-bit block codes W (fp32 arithmetic)",
+    module.def("product", &product, "y = x @ W.T for block-quantised W in layout `bits` (fp32 arithmetic)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
     moaspec::register_layers(module);
 }

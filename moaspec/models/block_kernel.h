@@ -8,9 +8,15 @@
 
 namespace moaspec {
 
-// A weight [rows, cols] as GGUF-style blocks of 32 along cols: codes, and one fp16 scale and offset per block.
+// Block layouts beyond the 4- and 8-bit codes of blocks of 32 (BlockView::bits; block_kernel.cpp's Layout says how
+// each is stored): 5-bit codes of Q5_0/Q5_1, the K-quants' super-blocks of 256, and 8-bit codes with offsets (a
+// fused q/k/v whose Q4_1 or Q5_1 parts sit beside a Q8_0 one).
+constexpr int kQ5 = 5, kQ4K = 0x104, kQ5K = 0x105, kQ6K = 0x106, kQ8M = 0x108;
+
+// A weight [rows, cols] as GGUF-style blocks of 32 along cols: codes, and one fp16 scale and offset per block (per
+// super-block of 256 for the K-quants).
 struct BlockView {
-    int bits;  // 4: two codes a byte (ggml's nibble order); 8: one signed code a byte, no offset
+    int bits;  // 4: two codes a byte (ggml's nibble order); 8: one signed code a byte, no offset; or a layout above
     const uint8_t* codes;
     const uint16_t* scales;   // fp16 bits
     const uint16_t* offsets;  // fp16 bits; not read for 8-bit codes

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from importlib import util
 from pathlib import Path
 from types import ModuleType
+from typing import cast
 
 import torch
 from filelock import FileLock, Timeout
@@ -54,45 +55,86 @@ COMPILER_ERROR = re.compile(r"(fatal )?error( C\d+)?:", re.IGNORECASE)  # gcc's 
 LIBRARY_SUFFIX = ".pyd" if sys.platform == "win32" else ".so"  # what torch's tooling writes
 
 
+Q5 = 5  # layouts beyond 4- and 8-bit blocks of 32 (``block_kernel.h``): Q5_0/Q5_1's 5-bit codes,
+Q4K, Q5K, Q6K = 0x104, 0x105, 0x106  # the K-quants' super-blocks of 256 weights,
+Q8M = 0x108  # and signed 8-bit codes with offsets: a fused q/k/v of Q4_1 or Q5_1 parts beside a Q8_0 one
+SUPER = 256  # weights per K-quant super-block
+_SUPER_BYTES = {Q4K: 140, Q5K: 172, Q6K: 208}  # code bytes per super-block (everything but d and dmin)
+
+
 @dataclass(frozen=True)
 class BlockWeights:
-    """A weight ``[out, in]`` as blocks of 32 along ``in``: codes, and each block's scale ``d`` and offset ``m`` in
-    fp16, as GGUF stores them, so that weight = d·q + m exactly. ``bits`` 4: two codes a byte (ggml's nibble
-    order), 0..15; 8: one signed code a byte, and offsets of 0 (the kernel does not read them)."""
+    """A weight ``[out, in]`` as GGUF blocks along ``in``: codes, and fp16 scales ``d`` and offsets ``m`` as GGUF
+    stores them, so that each weight is rebuilt exactly as gguf (and the converter) dequantises it.
+
+    ``bits`` names the layout. 4: blocks of 32, two codes a byte (ggml's nibble order), weight d·q + m (Q4_0 and
+    Q4_1); 8: one signed code a byte, weight d·q, offsets 0 (Q8_0, which the kernel does not read); :data:`Q5`: per
+    block 4 bytes of fifth bits and then 16 as for 4 (Q5_0 and Q5_1); :data:`Q4K`, :data:`Q5K`, :data:`Q6K`:
+    super-blocks of 256 with one ``d`` (and ``dmin``, the offsets; Q6_K has none) each, the codes holding the
+    rest of ggml's super-block as the file stores it (sub-block scales, high bits, nibbles); :data:`Q8M`: as 8 with
+    offsets, weight d·q + m (no file type: what :meth:`stack` makes of Q4_1/Q5_1 parts beside Q8_0 ones)."""
 
     bits: int
-    codes: torch.Tensor  # uint8 [out, in / 32 * (16 or 32)]
-    scales: torch.Tensor  # fp16 [out, in / 32]
-    offsets: torch.Tensor  # fp16 [out, in / 32]
+    codes: torch.Tensor  # uint8 [out, in / 32 * code bytes per block]
+    scales: torch.Tensor  # fp16 [out, in / 32] (K-quants: [out, in / 256])
+    offsets: torch.Tensor  # fp16, as scales
 
     def __post_init__(self) -> None:
         if self.codes.dtype != torch.uint8 or self.scales.dtype != torch.float16 or self.offsets.dtype != torch.float16:
             raise ValueError("blocks hold uint8 codes and fp16 scales and offsets")
-        if self.bits == 8 and bool(self.offsets.any()):
-            raise ValueError("8-bit blocks have no offset (Q8_0): their offsets must be 0")
+        if self.bits not in (4, 8, Q5, Q8M, *_SUPER_BYTES):
+            raise ValueError(f"unknown block layout {self.bits}")
+        if self.bits in (8, Q6K) and bool(self.offsets.any()):
+            raise ValueError("Q8_0 and Q6_K blocks have no offset: their offsets must be 0")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+        return self.scales.shape[0], self.scales.shape[1] * (SUPER if self.bits in _SUPER_BYTES else BLOCK)
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
 
     def dequantise(self) -> torch.Tensor:
-        """The fp32 weight these blocks stand for (tests, and checks against a model's dense weights)."""
-        out, blocks = self.scales.shape
-        if self.bits == 4:
-            lo, hi = self.codes.view(out, blocks, 16) & 0x0F, self.codes.view(out, blocks, 16) >> 4
-            q = torch.cat([lo, hi], dim=-1).float()
+        """The fp32 weight these blocks stand for (tests, and checks against a model's dense weights), computed
+        as gguf's ``dequantize`` computes it: every product below is exact in fp32, so only the last sum rounds."""
+        out, cols = self.shape
+        if self.bits in _SUPER_BYTES:
+            return _dequantise_k(self).reshape(out, cols)
+        blocks = cols // BLOCK
+        codes = self.codes.view(out, blocks, -1)
+        if self.bits in (8, Q8M):
+            q = codes.view(torch.int8).float()
         else:
-            q = self.codes.view(torch.int8).view(out, blocks, BLOCK).float()
-        return (q * self.scales.float()[..., None] + self.offsets.float()[..., None]).reshape(out, blocks * BLOCK)
+            nibbles = codes[..., -16:]
+            q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
+            if self.bits == Q5:  # bit i of the block's first 4 bytes (little-endian) is element i's fifth bit
+                high = codes[..., :4].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
+                q = q | high.reshape(out, blocks, BLOCK) << 4
+            q = q.float()
+        return (q * self.scales.float()[..., None] + self.offsets.float()[..., None]).reshape(out, cols)
 
     def rows(self, index: torch.Tensor) -> BlockWeights:
         """These blocks with their output rows reordered (or selected) by ``index``."""
         return BlockWeights(self.bits, self.codes[index].contiguous(), self.scales[index].contiguous(),
                             self.offsets[index].contiguous())
+
+    def as_8_bit(self) -> BlockWeights | None:
+        """The same weights with a signed byte a code, exactly: Q8_0 blocks for 4- and 5-bit blocks whose offsets
+        are -8·d and -16·d (Q4_0, Q5_0: codes q - 8 and q - 16), :data:`Q8M` blocks for other 4- and 5-bit ones
+        (Q4_1, Q5_1: codes q, offsets kept); ``None`` for the K-quants, whose scales are not per block of 32."""
+        if self.bits in (8, Q8M):
+            return self
+        if self.bits not in (4, Q5):
+            return None
+        centre = 8 if self.bits == 4 else 16
+        centred = torch.equal(self.offsets, self.scales * -centre)
+        plain = BlockWeights(self.bits, self.codes, torch.ones_like(self.scales), torch.zeros_like(self.offsets))
+        q = plain.dequantise() - (centre if centred else 0)
+        codes = q.to(torch.int8).view(torch.uint8).contiguous()
+        if centred:
+            return BlockWeights(8, codes, self.scales, torch.zeros_like(self.offsets))
+        return BlockWeights(Q8M, codes, self.scales, self.offsets)
 
     @staticmethod
     def q8_0(weight: torch.Tensor) -> BlockWeights:
@@ -111,12 +153,45 @@ class BlockWeights:
 
     @staticmethod
     def stack(parts: list[BlockWeights]) -> BlockWeights:
-        """Several weights of the same input width and code width, one above the other (a fused q/k/v)."""
+        """Several weights of the same input width, one above the other (a fused q/k/v). Parts of different
+        layouts are all taken as 8-bit codes, which is exact (a Q5_0 or Q5_1 q and k beside a Q8_0 v, as llama.cpp's
+        quantiser writes narrow models): as Q8_0 where none needs an offset, else as :data:`Q8M`; K-quant parts
+        among others raise :class:`ValueError`."""
         if len({p.bits for p in parts}) != 1:
-            raise ValueError("fused weights must share their code width")
+            widened = [p.as_8_bit() for p in parts]
+            if any(w is None for w in widened):
+                raise ValueError("fused weights of different block types, not all exactly 8-bit codes")
+            parts = cast(list[BlockWeights], widened)
+            if any(p.bits == Q8M for p in parts):
+                parts = [BlockWeights(Q8M, p.codes, p.scales, p.offsets) for p in parts]
         return BlockWeights(parts[0].bits, torch.cat([p.codes for p in parts]).contiguous(),
                             torch.cat([p.scales for p in parts]).contiguous(),
                             torch.cat([p.offsets for p in parts]).contiguous())
+
+
+def _dequantise_k(w: BlockWeights) -> torch.Tensor:
+    """A K-quant weight as ``[out, super-blocks, 256]`` fp32, as gguf's Q4_K/Q5_K/Q6_K ``dequantize_blocks`` do."""
+    out, supers = w.scales.shape
+    codes = w.codes.view(out, supers, _SUPER_BYTES[w.bits])
+    d = w.scales.float()[..., None]
+    if w.bits == Q6K:  # 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales (one per 16 weights)
+        low = codes[..., :128].reshape(out, supers, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None] & 0x0F
+        high = codes[..., 128:192].reshape(out, supers, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8
+                                                                                   )[:, None] & 3
+        q = (low.reshape(out, supers, 2, 128) | high.reshape(out, supers, 2, 128) << 4).float() - 32
+        scale = d * codes[..., 192:208].view(torch.int8).float()
+        return (scale[..., None] * q.reshape(out, supers, 16, 16)).reshape(out, supers, SUPER)
+    s = codes[..., :12].long()
+    low4, high2 = s[..., 0:4], s[..., 8:12]
+    sc = torch.cat([low4 & 63, (high2 & 0x0F) | ((low4 >> 6) << 4)], dim=-1)  # ggml's get_scale_min_k4
+    mn = torch.cat([s[..., 4:8] & 63, (high2 >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
+    nibbles = codes[..., -128:].reshape(out, supers, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None] & 0x0F
+    q = nibbles.reshape(out, supers, 8, 32)
+    if w.bits == Q5K:  # bit j of byte l of the 32 high bytes: sub-block j's element l
+        high = codes[..., 12:44].reshape(out, supers, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None] & 1
+        q = q | high << 4
+    scale, offset = d * sc.float(), w.offsets.float()[..., None] * mn.float()
+    return (scale[..., None] * q.float() - offset[..., None]).reshape(out, supers, SUPER)
 
 
 _module: ModuleType | None = None
@@ -311,4 +386,4 @@ def product(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
     """``x @ W.T`` for fp32 ``x`` ``[rows, in]`` (contiguous) and block weights ``W`` (the kernel must exist)."""
     module = _module if _module is not None else kernel()
     assert module is not None, "product() needs the compiled kernel: check kernel() first"
-    return (module.q4 if w.bits == 4 else module.q8)(x, w.codes, w.scales, w.offsets)
+    return module.product(x, w.codes, w.scales, w.offsets, w.bits)

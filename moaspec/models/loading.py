@@ -13,6 +13,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from moaspec.errors import ModelLoadError, brief
 from moaspec.models.config import ModelConfig
 from moaspec.models.kv_cache import KVCache
+from moaspec.models.lineage import lineage
 from moaspec.models.packed_linear import PAD_ROWS, pack_linears, packing_refused
 from moaspec.models.sources import recorded_gguf
 from moaspec.models.transformer import Transformer, causal_mask
@@ -41,6 +43,12 @@ class LoadedModel:
     def fingerprint(self) -> str:
         """Identity of the weights (see :func:`fingerprint`)."""
         return self.model.fingerprint
+
+    @cached_property
+    def lineage(self) -> str | None:
+        """Identity of the model whatever its quantisation, where its GGUF file names its source (see
+        :mod:`moaspec.models.lineage`): what a drafter trained on another quantisation must share."""
+        return lineage(self.path, self.cfg.identity(), self.tokenizer)
 
 
 def default_device() -> torch.device:
