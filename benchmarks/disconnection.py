@@ -26,7 +26,7 @@ client's time from v to v + L (**saved** = the difference; loopback, so only com
 
 Prompts run category by category in turn (the first of each file, then the second, ...), so
 that a stopped run covers every category alike; each finished prompt goes to the output at
-once, and the same command resumes. MoA (``moa``) is compared prompt by prompt with every
+once, and the same command resumes (``--table`` prints what a stopped run finished). MoA (``moa``) is compared prompt by prompt with every
 other drafter on kept tokens by the two-sided sign test (ties dropped).
 
     nohup nice -n 19 .venv/bin/python benchmarks/disconnection.py --per-file 10 --threads 1 \\
@@ -339,12 +339,19 @@ def main() -> None:
     ap.add_argument("--tli-drafter", default=None, help="a MoA drafter with Target Layer Inference (N > 0)")
     ap.add_argument("--independent-drafter", default=None, help="an independent drafter (moaspec train --kind independent)")
     ap.add_argument("--port", type=int, default=8791)
+    ap.add_argument("--table", action="store_true",
+                    help="print the table of the prompts finished so far in --output, and run nothing")
     args = ap.parse_args()
     cuts, alones = positive_list(args.cut, "--cut"), positive_list(args.alone, "--alone")
     if args.chain < 1 or not 0 < args.temperature:
         raise SystemExit("disconnection: --chain must be >= 1 and --temperature > 0")
     if not args.output:
         raise SystemExit("disconnection: --output is needed (each finished prompt is written there)")
+    if args.table:  # a run stopped at a deadline still reports what it finished
+        done = json.loads(Path(args.output).read_text(encoding="utf-8"))
+        print(f"{done['summary']['prompts']} prompts, finished: {done['finished']}")
+        print(table(done["summary"], done["setup"]["temperature"]))
+        return
     target, moa_path = specbench_script.target_and_drafter_path(args)
     drafters: dict[str, Drafter] = {"moa": require_drafter(moa_path, MoADrafter, "moa", target),
                                     "eagle2": require_drafter(args.eagle_drafter, EagleDrafter, "eagle2", target)}

@@ -119,3 +119,26 @@ def test_scores_of_the_targets_own_text(tiny_llama) -> None:  # type: ignore[no-
     assert scores["6"]["perplexity"] == pytest.approx(perplexity(tiny_llama, PROMPT, own.token_ids), rel=1e-5)
     assert scores["2"]["perplexity"] == pytest.approx(perplexity(tiny_llama, PROMPT, own.token_ids[:2]), rel=1e-5)
     assert disconnection.distinct_4grams([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 - 1 / 5)
+
+
+def fake_row(kept: dict[str, int]) -> dict:  # type: ignore[type-arg]
+    """One prompt's figures, cut after 32 verified tokens, 8 tokens written alone, ``kept[method]`` of them kept."""
+    def cut(k: int) -> dict:  # type: ignore[type-arg]
+        figures = {"perplexity": 2.0, "distinct_4grams": 0.5, "expected_kept_t0.7": 1.0}
+        return {"verified_before_cut": 33, "alone": [1] * 8, "after_reconnection": {"s": 1.0, "calls": 3, "read": 70},
+                "uncut": {"s": 1.5, "calls": 4, "read": 12},
+                "8": {"kept": k, "kept_by_own_text": k, **figures, "target": {**figures, "perplexity": 1.5}}}
+    return {"methods": {m: {"32": cut(k)} for m, k in kept.items()}}
+
+
+def test_summary_and_table_compare_moa_prompt_by_prompt() -> None:
+    """Means per cell, time saved after reconnection, and the sign test on kept tokens (ties dropped)."""
+    rows = [fake_row({"moa": 3, "eagle2": 1})] * 6 + [fake_row({"moa": 2, "eagle2": 2})]
+    summary = disconnection.summarize(rows, ["moa", "eagle2"], [32], [8], 0.7)
+    moa = summary["cells"]["moa"]
+    assert moa["32/8"]["kept"] == pytest.approx(20 / 7, abs=1e-3) and moa["32/8"]["fraction_kept"] == pytest.approx(20 / 56, abs=1e-4)
+    assert moa["32/8 reconnection"]["saved_s_mean"] == pytest.approx(0.5)
+    test = summary["sign_tests"]["moa vs eagle2"]["32/8"]
+    assert (test["moa_more"], test["moa_fewer"], test["equal"]) == (6, 0, 1) and test["p"] == pytest.approx(2 / 64)
+    text = disconnection.table(summary, 0.7)
+    assert "| moa | 32/8 | 2.86 | 35.7% |" in text and "32/8 6/0 (p = 0.0312)" in text
