@@ -143,14 +143,24 @@ def _aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def perplexity(target: LoadedModel, context: Sequence[int], continuation: Sequence[int]) -> float:
-    """exp(mean negative log-likelihood) of ``continuation`` after ``context`` under the target."""
+def continuation_logits(target: LoadedModel, context: Sequence[int], continuation: Sequence[int]) -> torch.Tensor:
+    """The target's logits ``[len(continuation), V]`` (fp32) at each token of ``continuation`` after ``context``:
+    row ``i`` scores ``continuation[i]``. One forward: every figure of a continuation comes from these rows."""
     ids = torch.tensor([list(context) + list(continuation)])
     cache = target.model.new_cache(ids.shape[1])
     with torch.inference_mode():
-        logits = target.model(ids, cache, logits_at=slice(len(context) - 1, ids.shape[1] - 1)).logits[0].float()
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(list(continuation)))
+        return target.model(ids, cache, logits_at=slice(len(context) - 1, ids.shape[1] - 1)).logits[0].float()
+
+
+def perplexity_of(logits: torch.Tensor, continuation: Sequence[int]) -> float:
+    """exp(mean negative log-likelihood) of ``continuation`` under ``logits`` (:func:`continuation_logits`'s rows)."""
+    nll = torch.nn.functional.cross_entropy(logits[: len(continuation)], torch.tensor(list(continuation)))
     return math.exp(float(nll))
+
+
+def perplexity(target: LoadedModel, context: Sequence[int], continuation: Sequence[int]) -> float:
+    """exp(mean negative log-likelihood) of ``continuation`` after ``context`` under the target."""
+    return perplexity_of(continuation_logits(target, context, continuation), continuation)
 
 
 def repeated_ngrams(tokens: Sequence[int], n: int = 4) -> float:
