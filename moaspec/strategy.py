@@ -84,7 +84,7 @@ class Strategy:
         model, tok = target.model, target.tokenizer
         if self.policy is not None and self.tree is None:
             return self._by_cost(target, prompt_ids, config, on_text, on_piece, prefill, on_logprobs)
-        speculation = None if self.policy is None else self.policy.request(self.drafter is not None)
+        speculation = None if self.policy is None else self.policy.request(self.drafter is not None, config.sampling.seed)
         if self.drafter is None and not self.lookup:
             if on_piece is not None:
                 piece = on_piece
@@ -114,7 +114,7 @@ class Strategy:
         from moaspec.drafters.proposers import proposer_for
 
         assert self.policy is not None
-        speculation = self.policy.request(self.drafter is not None)
+        speculation = self.policy.request(self.drafter is not None, config.sampling.seed)
         drafter: Any = proposer_for(self.drafter, self.confidence) if self.drafter is not None else None
         proposer = LookupProposer(target.model.cfg.vocab_size, drafter, drafter_len=self.chain, tree_lookup=self.lookup,
                                   min_ngram=self.lookup_min_ngram, speculation=speculation)

@@ -162,6 +162,10 @@ def test_a_policy_shares_its_costs_and_starts_each_request_from_what_the_last_on
     second = policy.request(drafter=False)
     assert second.acceptance.lookup[0][0].p < Acceptance().lookup[0][0].p  # lookup kept failing: the next starts wary
     assert max(c.tries for c in second.acceptance.cells()) <= 4.0  # and soon learns its own
+    seeded = policy.request(drafter=True, seed=7)  # decides by the costs as measured, alone: the same draws every time
+    seeded.timed(1, 1.0)
+    assert seeded.costs is not policy.costs and seeded.costs.target == cpu_costs().target
+    assert seeded.acceptance.lookup[0][0].p == Acceptance().lookup[0][0].p
 
 
 # --- lossless ------------------------------------------------------------------------------------

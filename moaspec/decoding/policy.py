@@ -251,8 +251,9 @@ class Speculation:
     reports each verification's time (:meth:`timed`) and the proposer what it kept (:meth:`outcome`).
     """
 
-    def __init__(self, costs: Costs, acceptance: Acceptance, drafter: bool) -> None:
+    def __init__(self, costs: Costs, acceptance: Acceptance, drafter: bool, timing: bool = True) -> None:
         self.costs = costs
+        self.timing = timing  # False: decisions from the costs given alone, never from this run's timings
         self.acceptance = acceptance
         self.has_drafter = drafter
         self.idle = 0  # cycles since the drafter last drafted
@@ -322,7 +323,7 @@ class Speculation:
     def keep(self, index: int, probability: float) -> bool:
         """The drafter's draft ``index`` (0-based) has its likeliest token at ``probability``: keep it if verifying
         it raises the cycle's expected rate (its drafting is paid already)."""
-        if index or not self._untimed:
+        if self.timing and (index or not self._untimed):
             self.costs.timed_draft(index == 0, time.perf_counter() - self._started + (0.0 if index else self._read_s))
         self._untimed, self._read_s = False, 0.0
         if index == 0:
@@ -377,13 +378,15 @@ class Speculation:
         """A tree cycle added ``tokens`` tokens and took ``draft_s`` seconds of drafting."""
         a = self.acceptance
         a.tree_tokens += EMA * (tokens - a.tree_tokens)
-        a.tree_draft_s += EMA * (_bounded(draft_s, a.tree_draft_s) - a.tree_draft_s)
+        if self.timing:
+            a.tree_draft_s += EMA * (_bounded(draft_s, a.tree_draft_s) - a.tree_draft_s)
 
     # --- after the verification ---------------------------------------------------------
 
     def timed(self, new: int, seconds: float) -> None:
         """The cycle's target forward had ``new`` new tokens and took ``seconds``."""
-        self.costs.timed_target(new, seconds)
+        if self.timing:
+            self.costs.timed_target(new, seconds)
 
     def catching_up(self) -> None:
         """The drafter's next first draft reads many verified tokens at once (its prompt, or a long run of cycles
@@ -418,7 +421,15 @@ class Policy:
     source: str = "measured in this process"  # where the costs came from (a file of measured costs)
     keep: Callable[[Costs], None] | None = None  # told the refreshed costs after each request (to save them)
 
-    def request(self, drafter: bool) -> Speculation:
+    def __post_init__(self) -> None:
+        self.measured = self.costs.copy()  # as loaded or measured: what seeded requests decide by
+
+    def request(self, drafter: bool, seed: int | None = None) -> Speculation:
+        """One request's speculation. A seeded request must draw the same tokens every time it is made, and what is
+        drafted decides how much of the seeded stream each cycle uses: so it decides from the costs as measured and
+        from its own acceptance alone, never from timings or from the requests before it."""
+        if seed is not None:
+            return Speculation(self.measured.copy(), Acceptance(), drafter, timing=False)
         return Speculation(self.costs, self.acceptance.copy(REQUEST_PRIOR), drafter)
 
     def finished(self, speculation: Speculation) -> None:
