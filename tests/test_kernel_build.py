@@ -198,14 +198,14 @@ def with_meta(i):
     return m.Layers([meta(t) if j == i else t for j, t in enumerate(layer)], [4] * 4, 2, 1, 16, 1e-5, False)
 
 bad = {
-    "q4 meta scales and offsets": lambda: m.q4(x, q, meta(d), meta(o)),
-    "q4 meta codes": lambda: m.q4(x, meta(q), d, o),
-    "q4 meta x": lambda: m.q4(meta(x), q, d, o),
-    "q8 strided scales": lambda: m.q8(x, torch.zeros(8, 64, dtype=torch.uint8), d.t().contiguous().t(), o),
-    "q4 fp32 scales": lambda: m.q4(x, q, d.float(), o),
-    "q4 1-D offsets": lambda: m.q4(x, q, d, o.flatten()),
-    "q4 bf16 x": lambda: m.q4(x.bfloat16(), q, d, o),
-    "q4 sparse x": lambda: m.q4(x.to_sparse(), q, d, o),
+    "q4 meta scales and offsets": lambda: m.product(x, q, meta(d), meta(o), 4),
+    "q4 meta codes": lambda: m.product(x, meta(q), d, o, 4),
+    "q4 meta x": lambda: m.product(meta(x), q, d, o, 4),
+    "q8 strided scales": lambda: m.product(x, torch.zeros(8, 64, dtype=torch.uint8), d.t().contiguous().t(), o, 8),
+    "q4 fp32 scales": lambda: m.product(x, q, d.float(), o, 4),
+    "q4 1-D offsets": lambda: m.product(x, q, d, o.flatten(), 4),
+    "q4 bf16 x": lambda: m.product(x.bfloat16(), q, d, o, 4),
+    "q4 sparse x": lambda: m.product(x.to_sparse(), q, d, o, 4),
     "meta norm gain": lambda: with_meta(12).run(h, cache, cache.clone(), cos, sin, 0, None, 0, 1, 0),
     "meta bias": lambda: with_meta(14),
     "meta cos": lambda: ok.run(h, cache, cache.clone(), meta(cos), sin, 0, None, 0, 1, 0),

@@ -41,7 +41,7 @@ def lineage(path: Path, identity: dict[str, Any], tokenizer: Any) -> str | None:
     source. Kept in ``path``."""
     kept = path / KEPT
     try:
-        return json.loads(kept.read_text())["lineage"]  # type: ignore[no-any-return]
+        return json.loads(kept.read_text())["lineage"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     gguf = recorded_gguf(path)
