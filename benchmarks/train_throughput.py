@@ -78,7 +78,7 @@ def train(target, data: Path, work: Path, args: argparse.Namespace) -> dict[str,
     arms = {name: {"loss_tokens": n, "seconds": round(timings.get(name, 0.0), 2), "loss_tokens_per_s": round(n / wall, 1)}
             for name, n in learnt.items()}
     together = sum(learnt.values())
-    return {"updates": updates, "train_s": round(wall, 2), "s_per_update": round(wall / max(updates, 1), 4),
+    return {"updates": updates, "train_s": round(wall, 4), "s_per_update": round(wall / max(updates, 1), 4),
             "target_s": round(timings.get("target", 0.0), 2), "arms": arms,
             "loss_tokens_per_s_together": round(together / wall, 1)}
 

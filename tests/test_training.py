@@ -387,7 +387,7 @@ def test_a_layer_width_below_one_is_refused_before_anything_is_written(tiny_llam
 def test_a_run_that_fails_before_its_first_step_leaves_nothing(tiny_llama, tiny_data: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Too little data surfaces when the first batch is drawn: no directory with a train_config.json is left behind."""
     t = Trainer(tiny_llama, tiny_data, tmp_path / "run", small(steps=1, save_every=1), progress=False)
-    t.examples_for = lambda epoch: []  # type: ignore[method-assign]
+    t.data.examples_for = lambda epoch: []  # type: ignore[method-assign]
     with pytest.raises(MoaspecError, match="too little data: 0 training examples make 0 batches of --tokens-per-batch"):
         t.train()
     assert not (tmp_path / "run").exists()
