@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from moaspec.childproc import child
+
 
 @contextmanager
 def serving(port: int, serve_args: Sequence[str] = (), core: int | None = None) -> Iterator[subprocess.Popen]:
@@ -23,7 +25,7 @@ def serving(port: int, serve_args: Sequence[str] = (), core: int | None = None) 
     "serving ... on URL")."""
     cmd = [sys.executable, "-m", "moaspec.cli", "serve", "--port", str(port), "--log-level", "warning", *serve_args]
     cmd = cmd if core is None else ["taskset", "-c", str(core), *cmd]
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    server = child(cmd, stderr=subprocess.PIPE, text=True)
     try:
         line = server.stderr.readline()  # type: ignore[union-attr]
         if "serving" not in line:

@@ -71,6 +71,17 @@ def test_every_file_type_is_fp32_arithmetic_on_the_exact_weights(kind: str, out:
     check_product(file_blocks(kind, out, 512, seed=out))
 
 
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", *NEW_TYPES])
+def test_the_kernel_rebuilds_every_weight_bit_for_bit(kind: str) -> None:
+    """A product with the identity reads each weight back alone (every other term is a zero): a code decoded one
+    bit off, or a scale applied to the wrong weights, shows here however small its effect on a product."""
+    w = file_blocks(kind, 9, 512, seed=4)
+    eye = torch.eye(512)
+    assert torch.equal(block_kernel.product(eye[:1].contiguous(), w), w.dequantise()[:, :1].T)
+    assert torch.equal(block_kernel.product(eye, w), w.dequantise().T)
+
+
 def check_product(w: BlockWeights) -> None:
     inner = w.shape[1]
     x = torch.randn(70, inner, generator=torch.Generator().manual_seed(1))

@@ -42,6 +42,7 @@ import torch
 from moaspec.bench.journal import Journal
 from moaspec.bench.methods import for_prompt
 from moaspec.chat import chat_messages, encode_chat
+from moaspec.childproc import child
 from moaspec.clientserver.client import RemoteTarget, SplitGeneration
 from moaspec.clientserver.netem import NetworkProxy, Profile
 from moaspec.decoding import GenerationConfig, SamplingParams, generate
@@ -75,7 +76,7 @@ class ServerProcess:
             cmd += ["--remote-drafter", path]
         if core is not None:
             cmd = ["taskset", "-c", str(core), *cmd]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.proc = child(cmd, stderr=subprocess.PIPE, text=True)
         line = self.proc.stderr.readline()  # type: ignore[union-attr]
         if "serving" not in line:
             self.proc.kill()  # whatever it printed instead, it must not outlive this failure

@@ -37,39 +37,65 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsAtOnce = 4;    // weight rows decoded together
 constexpr int64_t kActTile = 3;       // activation rows per tile of the several-row loop
 
+// Every layout but the 8-bit ones first gathers a block's 32 codes into the bytes of one vector, with a few
+// byte-wide shifts and masks for all 32 at once; only the widening below works lane by lane.
+
+// 32 codes of 0..255, one a byte in element order (elements 0..15 in `lo`, 16..31 in `hi`), as four 8-lane
+// vectors of fma(q, d, m): the exact weights. Elements 0..15 take the scale and offset (d0, m0), elements 16..31
+// (d1, m1): Q6_K scales every 16 weights.
+inline void widen_codes(__m128i lo, __m128i hi, __m256 d0, __m256 m0, __m256 d1, __m256 m1, __m256 w[4]) {
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d0, m0);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d0, m0);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d1, m1);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d1, m1);
+}
+
+inline void widen_codes(__m256i codes, __m256 d0, __m256 m0, __m256 d1, __m256 m1, __m256 w[4]) {
+    widen_codes(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1), d0, m0, d1, m1, w);
+}
+
+inline void widen_codes(__m256i codes, __m256 d, __m256 m, __m256 w[4]) { widen_codes(codes, d, m, d, m, w); }
+
+// 32 bytes from q, each shifted right by `shift` and masked to `mask` (a byte-wide mask: the 16-bit shift's
+// spill from the next byte is masked away).
+inline __m256i bits_of(const uint8_t* q, int shift, int mask) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+
+// Byte i: 16 where bit i of `bits` is set, else 0 (Q5_0/Q5_1's fifth bits of 16 elements).
+inline __m128i fifth_bits(uint32_t bits) {
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits)),  // byte i: bits' byte i / 8
+                                            _mm_set_epi64x(0x0101010101010101, 0));
+    const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));  // byte i: bit i % 8
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16));
+}
+
+// A block of 32 4-bit codes in 16 bytes, plus a fifth bit each where `Fifth` (Q5_0/Q5_1: bit i of `high` is element
+// i's): low nibbles are elements 0..15, high nibbles 16..31 (ggml's order).
+template <bool Fifth>
+inline void small_codes(const uint8_t* q, uint32_t high, __m256 d, __m256 m, __m256 w[4]) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    if constexpr (Fifth) {
+        lo = _mm_or_si128(lo, fifth_bits(high));
+        hi = _mm_or_si128(hi, fifth_bits(high >> 16));
+    }
+    widen_codes(lo, hi, d, m, d, m, w);
+}
+
 // The 32 weights of one block as four 8-lane vectors: exactly fma(q, d, m) for 4-bit codes, d*q for 8-bit ones.
 template <int Bits>
 inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
     const __m256 vd = _mm256_set1_ps(d);
     if constexpr (Bits == 4) {  // ggml's order: low nibbles are elements 0..15, high nibbles 16..31
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(bytes, mask);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        const __m256 vm = _mm256_set1_ps(m);
-        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vd, vm);
-        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vd, vm);
-        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vd, vm);
-        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vd, vm);
+        small_codes<false>(q, 0, vd, _mm256_set1_ps(m), w);
     } else {  // signed 8-bit codes, in order
         for (int j = 0; j < 4; ++j) {
             const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
             w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
         }
     }
-}
-
-// 8 codes of 8 bytes each widened to 32-bit lanes, shifted right by `shift` and masked to `mask`.
-inline __m256i unpack8(const uint8_t* q, int shift, int mask) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-    return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(mask));
-}
-
-// 8 lanes of (bits >> (first + lane)) & 1, times 16: the fifth bit of 8 consecutive 5-bit codes.
-inline __m256i fifth_bits(uint32_t bits, int first) {
-    const __m256i lanes = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
-    return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), lanes),
-                                              _mm256_set1_epi32(1)), 4);
 }
 
 template <int Bits>
@@ -119,12 +145,7 @@ struct Layout<kQ5> {  // Q5_0/Q5_1: per block 4 bytes of fifth bits (bit i: elem
         const uint8_t* q = row + b * 20;
         uint32_t high;
         std::memcpy(&high, q, 4);
-        const __m256 vd = _mm256_set1_ps(df[b]), vm = _mm256_set1_ps(mf[b]);
-        for (int j = 0; j < 4; ++j) {  // elements 8j..8j+7: low nibbles of bytes 0..15, then high nibbles
-            const __m256i low = unpack8(q + 4 + 8 * (j & 1), 4 * (j >> 1), 0x0F);
-            const __m256i code = _mm256_or_si256(low, fifth_bits(high, 8 * j));
-            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), vd, vm);
-        }
+        small_codes<true>(q + 4, high, _mm256_set1_ps(df[b]), _mm256_set1_ps(mf[b]), w);
     }
 };
 
@@ -183,13 +204,10 @@ struct KLayout {  // Q4_K (4) and Q5_K (5): super-blocks of 256 whose fp16 d and
         const int j = static_cast<int>(b % 8);
         const uint8_t* super = row + b / 8 * kSuper;
         const uint8_t* nibbles = super + 12 + kHigh + 32 * (j / 2);  // blocks 2i and 2i+1 share 32 bytes
-        const __m256 vd = _mm256_set1_ps(df[b]), vm = _mm256_set1_ps(mf[b]);
-        for (int g = 0; g < 4; ++g) {
-            __m256i code = unpack8(nibbles + 8 * g, 4 * (j & 1), 0x0F);
-            if constexpr (Bits == 5)  // bit j of high byte l is block j's element l
-                code = _mm256_or_si256(code, _mm256_slli_epi32(unpack8(super + 12 + 8 * g, j, 1), 4));
-            w[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), vd, vm);
-        }
+        __m256i code = bits_of(nibbles, 4 * (j & 1), 0x0F);
+        if constexpr (Bits == 5)  // bit j of high byte l is block j's element l
+            code = _mm256_or_si256(code, _mm256_slli_epi16(bits_of(super + 12, j, 1), 4));
+        widen_codes(code, _mm256_set1_ps(df[b]), _mm256_set1_ps(mf[b]), w);
     }
 };
 
@@ -225,12 +243,10 @@ struct Layout<kQ6K> {  // super-blocks of 256 whose fp16 d is the scale (offsets
         const uint8_t* super = row + b / 8 * kSuper;
         const uint8_t* low = super + 64 * h + 32 * (j & 1);  // element l of block j: nibble j/2 of low[l]
         const uint8_t* high = super + 128 + 32 * h;          // and bits 2j, 2j+1 of high[l]
-        for (int g = 0; g < 4; ++g) {
-            const __m256i code = _mm256_or_si256(unpack8(low + 8 * g, 4 * (j >> 1), 0x0F),
-                                                 _mm256_slli_epi32(unpack8(high + 8 * g, 2 * j, 3), 4));
-            const int64_t slot = 2 * b + g / 2;
-            w[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_set1_ps(df[slot]), _mm256_set1_ps(mf[slot]));
-        }
+        const __m256i code = _mm256_or_si256(bits_of(low, 4 * (j >> 1), 0x0F),
+                                             _mm256_slli_epi16(bits_of(high, 2 * j, 3), 4));
+        widen_codes(code, _mm256_set1_ps(df[2 * b]), _mm256_set1_ps(mf[2 * b]), _mm256_set1_ps(df[2 * b + 1]),
+                    _mm256_set1_ps(mf[2 * b + 1]), w);
     }
 };
 
