@@ -66,6 +66,10 @@ from moaspec.models.kv_cache import KVCache
 
 GREEDY = SamplingParams()
 DRAFT_SUPPORT = 32  # a sampled draft is drawn from the drafter's likeliest tokens, at most this many
+# After a disconnection the text written alone is verified in pieces of 8 tokens first, each piece kept whole
+# doubling the next (up to max_draft): the target keeps a token or two of it on the median prompt, and on a CPU a
+# verification of 8 costs about what one of 1 does, while one of 64 costs several (BENCHMARKS.md, Client–server).
+RESYNC_FIRST_PIECE = 8
 Dist = tuple[list[int], list[float]] | None  # what a draft was drawn from (token ids, probabilities); None: a point mass
 PieceKind = str  # "target" (the target's own token), "draft" (an accepted draft), "unverified"
 
@@ -743,9 +747,11 @@ class SplitGeneration:
 
     def _resync(self) -> bool:
         """Verify the unverified tail if the server answers now; False while it is still unreachable."""
+        piece = RESYNC_FIRST_PIECE
         try:
             while not self.sink.done and self.tokens[self.verified:]:
-                chunk = self.tokens[self.verified:][: self.max_draft]
+                chunk = self.tokens[self.verified:][: min(piece, self.max_draft)]
+                piece *= 2  # the next piece exists only if this one is kept whole (a rejection drops the rest)
                 try:
                     self._settle(chunk, self.remote.verify(self.session, self.verified, chunk, retries=0,
                                                            dists=self.tail_q[: len(chunk)]))
