@@ -48,6 +48,18 @@ def tiny_moa_dir(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path: 
                         target_identity(tiny_llama))
 
 
+@pytest.fixture(scope="module")
+def tiny_moa(tiny_llama):  # type: ignore[no-untyped-def]
+    """An untrained MoA drafter (seed 3) attached to ``tiny_llama``, one per test module: a module's server and its
+    clients share it, and another module's state never reaches it."""
+    from moaspec.drafters.moa import MoAConfig, MoADrafter
+
+    torch.manual_seed(3)
+    d = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
+    d.attach(tiny_llama.model)
+    return d.eval()
+
+
 @pytest.fixture(scope="session")
 def real_model():  # type: ignore[no-untyped-def]
     """The default target (SmolLM2-135M-Instruct), loaded once per session."""

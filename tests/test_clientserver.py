@@ -33,11 +33,8 @@ PROMPT = [5, 17, 42, 7, 99, 3, 12]
 
 
 @pytest.fixture(scope="module")
-def drafter(tiny_llama) -> MoADrafter:  # type: ignore[no-untyped-def]
-    torch.manual_seed(3)
-    d = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
-    d.attach(tiny_llama.model)
-    return d.eval()
+def drafter(tiny_moa) -> MoADrafter:  # type: ignore[no-untyped-def]
+    return tiny_moa
 
 
 def make_app(tiny_llama, drafter, prompt_cache=None, **limits):  # type: ignore[no-untyped-def]

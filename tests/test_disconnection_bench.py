@@ -15,7 +15,6 @@ from moaspec.clientserver.bench import perplexity
 from moaspec.clientserver.sessions import Limits, SessionStore
 from moaspec.decoding import GenerationConfig, generate
 from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
-from moaspec.drafters.moa import MoAConfig, MoADrafter
 from moaspec.serving import Engine, create_app
 from moaspec.strategy import Strategy
 from servers import running
@@ -31,17 +30,9 @@ CUTS, ALONES = [3, 6], [6, 9]  # at least the drafts in flight at the cut (2 × 
 
 
 @pytest.fixture(scope="module")
-def moa(tiny_llama) -> MoADrafter:  # type: ignore[no-untyped-def]
-    torch.manual_seed(3)
-    d = MoADrafter(MoAConfig.for_target(tiny_llama.cfg))
-    d.attach(tiny_llama.model)
-    return d.eval()
-
-
-@pytest.fixture(scope="module")
-def upstream(tiny_llama, moa) -> Iterator[tuple[str, int]]:  # type: ignore[no-untyped-def]
-    store = SessionStore(tiny_llama, moa, Limits())
-    with running(create_app(Engine(tiny_llama, Strategy(moa), parallel=1), "tiny", sessions=store)) as url:
+def upstream(tiny_llama, tiny_moa) -> Iterator[tuple[str, int]]:  # type: ignore[no-untyped-def]
+    store = SessionStore(tiny_llama, tiny_moa, Limits())
+    with running(create_app(Engine(tiny_llama, Strategy(tiny_moa), parallel=1), "tiny", sessions=store)) as url:
         yield "127.0.0.1", int(url.rsplit(":", 1)[1])
 
 
@@ -85,9 +76,9 @@ def test_a_drafter_that_always_disagrees_has_nothing_kept(tiny_llama, upstream) 
         assert r["expected_kept_t0.7"] < 0.5 and r["perplexity"] > r["target"]["perplexity"]
 
 
-def test_moa_offline_text_is_kept_as_far_as_it_is_the_targets(tiny_llama, moa, upstream) -> None:  # type: ignore[no-untyped-def]
+def test_moa_offline_text_is_kept_as_far_as_it_is_the_targets(tiny_llama, tiny_moa, upstream) -> None:  # type: ignore[no-untyped-def]
     """What the resynchronisation kept is the offline text's common prefix with the target's own greedy text."""
-    for n, r, _ in study(tiny_llama, moa, upstream):
+    for n, r, _ in study(tiny_llama, tiny_moa, upstream):
         assert 0 <= r["kept"] == r["kept_by_own_text"] <= n
         assert 0 < r["distinct_4grams"] <= 1 and r["perplexity"] >= 1
 

@@ -100,6 +100,13 @@ inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
     }
 }
 
+// Asks for every 64-byte cache line of [p, p + bytes) ahead of its use.
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
+    for (uintptr_t at = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; at < end; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
+}
+
 template <int Bits>
 constexpr int64_t block_bytes() { return Bits == 4 ? kBlock / 2 : kBlock; }
 
@@ -269,11 +276,10 @@ void one_row(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t
         for (int64_t r = 0; r < kRowsAtOnce; ++r)
             L::widen_row(q0 + r * qrow, d + (n + r) * srow, m + (n + r) * srow, blocks, d0 + r * slots, m0 + r * slots);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        // the next group's codes, fetched while this group's are used: its share of a block's, 64 to 140 bytes
+        // the next group's codes, fetched while this group's are used: a block's share of them (64 to 128 bytes)
         const uint8_t* ahead = q0 + (n + 2 * kRowsAtOnce <= n1 ? group : 0);
         for (int64_t b = 0; b < blocks; ++b) {
-            _mm_prefetch(reinterpret_cast<const char*>(ahead + b * stride), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(ahead + b * stride + stride - 1), _MM_HINT_T0);
+            prefetch(ahead + b * stride, stride);
             const float* xb = x + b * kBlock;
             const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
                          x3 = _mm256_loadu_ps(xb + 24);
@@ -323,9 +329,7 @@ void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16
         const int64_t later = std::min(kRowsAtOnce, n1 - n - rows);  // the next group's rows, fetched meanwhile
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t row = n + r;
-            if (r < later)
-                for (int64_t at = 0; at < qrow; at += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(q + (row + kRowsAtOnce) * qrow + at), _MM_HINT_T0);
+            if (r < later) prefetch(q + (row + kRowsAtOnce) * qrow, qrow);
             L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, df, mf);
             for (int64_t b = 0; b < blocks; ++b) {
                 __m256 w[4];
