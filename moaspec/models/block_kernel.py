@@ -47,8 +47,9 @@ from filelock import FileLock, Timeout
 from moaspec.errors import brief
 from moaspec.models.sources import cache_root
 
-SOURCES = [Path(__file__).with_name(n) for n in ("block_kernel.cpp", "decode_layers.cpp")]
-HEADER = Path(__file__).with_name("block_kernel.h")
+SOURCES = [Path(__file__).with_name(n) for n in ("block_kernel.cpp", "block_kernel_avx512.cpp", "decode_layers.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("block_kernel.h", "block_layouts.h")]
+ISA_VARIABLE = "MOASPEC_KERNEL_ISA"  # "avx2" keeps a CPU with AVX-512 on the AVX2 loops
 BLOCK = 32  # weights per block along the input dimension
 BUILD_WAIT_S = 600.0  # longest wait for another process's build (one takes about a minute, several on a busy CPU)
 COMPILER_ERROR = re.compile(r"(fatal )?error( C\d+)?:", re.IGNORECASE)  # gcc's and clang's "error:", MSVC's "error C2065:"
@@ -243,7 +244,39 @@ def kernel() -> ModuleType | None:
             _why_not = f"it could not be loaded or built ({type(exc).__name__}: {brief(exc, 200) or 'no message'})"
     if _module is None:
         print(f"moaspec: GGUF targets run on dequantised fp32 weights: {_why_not}", file=sys.stderr)
+    elif (isa := os.environ.get(ISA_VARIABLE)) and isa != _module.instruction_set():
+        try:
+            _module.set_instruction_set(isa)
+        except RuntimeError as exc:
+            print(f"moaspec: {ISA_VARIABLE}={isa} ignored: {brief(exc, 120)}", file=sys.stderr)
     return _module
+
+
+def instruction_set() -> str | None:
+    """The loops block products run on in this process: ``"avx512"`` (16 lanes, wherever the CPU has AVX-512 F, BW,
+    VL and DQ) or ``"avx2"``; ``None`` before the kernel is loaded or where it cannot be. The two give the same
+    exact weights and differ only in the order of their fp32 sums, so a process keeps one (``$MOASPEC_KERNEL_ISA``
+    chooses AVX2 on an AVX-512 CPU) and measured costs are kept apart per instruction set."""
+    return None if _module is None else cast(str, _module.instruction_set())
+
+
+def instruction_sets() -> list[str]:
+    """The loops this CPU can run (``[]`` where the kernel cannot be had): tests and benchmarks run each."""
+    module = kernel()
+    if module is None:
+        return []
+    return ["avx2", "avx512"] if module.avx512_supported() else ["avx2"]
+
+
+def set_instruction_set(name: str) -> None:
+    """Run every later block product of this process on ``name``'s loops (``"avx2"`` or ``"avx512"``); raises
+    :class:`ValueError` for a name this CPU cannot run. Results of the two differ in the last bits, so switch only
+    between whole decodings (benchmarks, tests), never inside one."""
+    module = kernel()
+    if name not in instruction_sets():
+        raise ValueError(f"instruction set {name!r} is not available here (available: {instruction_sets()})")
+    assert module is not None
+    module.set_instruction_set(name)
 
 
 def compile_flags(platform: str = sys.platform, openmp: bool = True) -> tuple[list[str], list[str]]:
@@ -268,7 +301,7 @@ def library_path() -> Path:
     """Where this checkout's build lives: its name carries the sources', flags' and torch version's digest, so
     an edited kernel is never confused with an old build (and tests find this build among others')."""
     cflags, ldflags = _flags()
-    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    code = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(code + " ".join(cflags + ldflags).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"moaspec_block_kernel_{digest}"
     return cache_root() / "kernels" / name / f"{name}{LIBRARY_SUFFIX}"

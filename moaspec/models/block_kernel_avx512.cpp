@@ -1,0 +1,299 @@
+// block_kernel.cpp's products on CPUs with AVX-512 (F, BW, VL and DQ): the same exact weights and fp32
+// arithmetic, in 16-lane vectors, and 4- and 5-bit codes decoded by table lookup.
+//
+// A block of 4-bit codes with scale d and offset m holds at most 16 distinct weights, fma(i, d, m) for i = 0..15.
+// One 16-lane fma builds that table, exactly the values the AVX2 decoder computes code by code, and one permute
+// (vpermps, which reads an index's low 4 bits) gives 16 weights from 16 codes: no conversion, no mask for the low
+// nibbles. Q5_0/Q5_1 and Q5_K add a second table for the codes whose fifth bit is set, chosen by a mask register
+// that is the fifth bits themselves. Q8_0 and Q6_K (64 weights per scale) widen and convert 16 codes at a time.
+//
+// Every output y[m, n] is one 16-lane accumulator over the input in a fixed order, reduced in a fixed tree, in
+// both loops, so a row's result is bitwise the same in a product of 1 row or of 64, as in the AVX2 file. The two
+// files' results differ from each other in the order of their fp32 sums: a process uses one of them throughout.
+//
+// This file is compiled for AVX-512 by the pragma below, not by the command line, so that the build needs no
+// other flags; its functions run only where block_kernel.cpp found the CPU able to (avx512_supported). It includes
+// no library code after the pragma: an inline function of a library compiled here for AVX-512 could be the copy
+// the linker keeps for every caller.
+
+#include "block_kernel.h"
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define MOASPEC_AVX512 1
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#endif
+
+#include "block_layouts.h"
+
+namespace moaspec {
+namespace {
+
+constexpr int64_t kActTile = 4;  // activation rows per tile of the several-row loop (16 accumulators of 32)
+
+inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline float reduce16(__m512 v) {  // lanes l and l + 8 first, then block_kernel.h's fixed 8-lane tree
+    return reduce(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+inline __m512 iota(float from) {
+    return _mm512_add_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(from));
+}
+
+// The 16 weights 16 codes stand for in `table` (the index's low 4 bits), or in `fifth` where the mask's bit is set.
+inline __m512 look_up(__m512i index, __m512 table) { return _mm512_permutexvar_ps(index, table); }
+inline __m512 look_up(__m512i index, __m512 table, __mmask16 high, __m512 fifth) {
+    const __m512i low4 = _mm512_and_si512(index, _mm512_set1_epi32(15));  // bit 4: the fifth bit, from the mask
+    return _mm512_permutex2var_ps(table, _mm512_mask_or_epi32(low4, high, low4, _mm512_set1_epi32(16)), fifth);
+}
+
+// 16 unsigned byte codes as 16 lanes of fma(q, d, m), or signed ones as d*q (no offset) or fma(q, d, m).
+inline __m512 widen16(__m128i bytes, __m512 d, __m512 m) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), d, m);
+}
+template <bool Offset>
+inline __m512 signed16(const uint8_t* q, __m512 d, __m512 m) {
+    const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    if constexpr (Offset) return _mm512_fmadd_ps(c, d, m);
+    return _mm512_mul_ps(c, d);
+}
+
+// Each layout's AVX-512 decoder: block b's 32 weights, exactly, as two 16-lane vectors.
+template <int Kind>
+struct Layout16 : Geometry<Kind> {  // Q4_0/Q4_1 (4): table lookup; Q8_0 (8): d*q
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m512 w[2]) {
+        const uint8_t* q = row + b * block_bytes<Kind>();
+        const __m512 d = _mm512_set1_ps(df[b]);
+        if constexpr (Kind == 4) {  // low nibbles are elements 0..15, high nibbles 16..31
+            const __m512 table = _mm512_fmadd_ps(iota(0), d, _mm512_set1_ps(mf[b]));
+            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+            w[0] = look_up(c, table);
+            w[1] = look_up(_mm512_srli_epi32(c, 4), table);
+        } else {
+            w[0] = signed16<false>(q, d, d);
+            w[1] = signed16<false>(q + 16, d, d);
+        }
+    }
+};
+
+template <>
+struct Layout16<kQ5> : Geometry<kQ5> {  // bit i of the block's first 4 bytes: element i's fifth bit
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m512 w[2]) {
+        const uint8_t* q = row + b * 20;
+        uint32_t high;
+        __builtin_memcpy(&high, q, 4);
+        const __m512 d = _mm512_set1_ps(df[b]), m = _mm512_set1_ps(mf[b]);
+        const __m512 table = _mm512_fmadd_ps(iota(0), d, m), fifth = _mm512_fmadd_ps(iota(16), d, m);
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4)));
+        w[0] = look_up(c, table, static_cast<__mmask16>(high), fifth);
+        w[1] = look_up(_mm512_srli_epi32(c, 4), table, static_cast<__mmask16>(high >> 16), fifth);
+    }
+};
+
+template <>
+struct Layout16<kQ8M> : Geometry<kQ8M> {
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m512 w[2]) {
+        const uint8_t* q = row + b * kBlock;
+        const __m512 d = _mm512_set1_ps(df[b]), m = _mm512_set1_ps(mf[b]);
+        w[0] = signed16<true>(q, d, m);
+        w[1] = signed16<true>(q + 16, d, m);
+    }
+};
+
+template <int Kind>
+struct KLayout16 : Geometry<Kind> {  // Q4_K and Q5_K: one table per block of 32 (two for Q5_K)
+    using G = Geometry<Kind>;
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m512 w[2]) {
+        const int j = static_cast<int>(b % 8);
+        const __m512 d = _mm512_set1_ps(df[b]), m = _mm512_set1_ps(mf[b]);
+        const __m512 table = _mm512_fmadd_ps(iota(0), d, m);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(G::nibbles(row, b)));
+        const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));  // odd blocks are the high nibbles
+        const __m512i c0 = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)), shift);
+        const __m512i c1 = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1)), shift);
+        if constexpr (Kind == kQ4K) {
+            w[0] = look_up(c0, table);
+            w[1] = look_up(c1, table);
+        } else {  // bit j of high byte l is block j's element l
+            const __mmask32 high = _mm256_test_epi8_mask(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(G::fifth_bits(row, b))),
+                _mm256_set1_epi8(static_cast<char>(1 << j)));
+            const __m512 fifth = _mm512_fmadd_ps(iota(16), d, m);
+            w[0] = look_up(c0, table, static_cast<__mmask16>(high), fifth);
+            w[1] = look_up(c1, table, static_cast<__mmask16>(high >> 16), fifth);
+        }
+    }
+};
+
+template <>
+struct Layout16<kQ4K> : KLayout16<kQ4K> {};
+template <>
+struct Layout16<kQ5K> : KLayout16<kQ5K> {};
+
+template <>
+struct Layout16<kQ6K> : Geometry<kQ6K> {  // elements 0..15 take scale slot 2b, 16..31 slot 2b + 1
+    static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m512 w[2]) {
+        const __m256i c = codes(row, b);
+        w[0] = widen16(_mm256_castsi256_si128(c), _mm512_set1_ps(df[2 * b]), _mm512_set1_ps(mf[2 * b]));
+        w[1] = widen16(_mm256_extracti128_si256(c, 1), _mm512_set1_ps(df[2 * b + 1]), _mm512_set1_ps(mf[2 * b + 1]));
+    }
+};
+
+// y[0, n0:n1] for one activation row: weight rows in fours, each block decoded in registers and used at once.
+// `scratch`: the rows' fp32 scales and offsets.
+template <int Kind>
+void one_row(const float* x, const BlockView& w, float* y, int64_t n0, int64_t n1, float* scratch) {
+    using L = Layout16<Kind>;
+    const int64_t K = w.cols, blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    const int64_t slots = blocks * L::kSlots;
+    const uint8_t* q = w.codes;
+    const uint16_t *d = w.scales, *m = w.offsets;
+    float* d0 = scratch;
+    float* m0 = d0 + kRowsAtOnce * slots;
+    const int64_t group = kRowsAtOnce * qrow, stride = group / blocks;  // a group of rows' code bytes, contiguous
+    int64_t n = n0;
+    for (; n + kRowsAtOnce <= n1; n += kRowsAtOnce) {
+        const uint8_t* q0 = q + n * qrow;
+        for (int64_t r = 0; r < kRowsAtOnce; ++r)
+            L::widen_row(q0 + r * qrow, d + (n + r) * srow, m + (n + r) * srow, blocks, d0 + r * slots, m0 + r * slots);
+        __m512 a[kRowsAtOnce];
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) a[r] = _mm512_setzero_ps();
+        const uint8_t* ahead = q0 + (n + 2 * kRowsAtOnce <= n1 ? group : 0);  // the next group's codes
+        for (int64_t b = 0; b < blocks; ++b) {
+            prefetch(ahead + b * stride, stride);
+            const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+            for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+                __m512 v[2];
+                L::decode(q0 + r * qrow, b, d0 + r * slots, m0 + r * slots, v);
+                a[r] = _mm512_fmadd_ps(v[1], x1, _mm512_fmadd_ps(v[0], x0, a[r]));
+            }
+        }
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) y[n + r] = reduce16(a[r]);
+    }
+    for (; n < n1; ++n) {
+        __m512 acc = _mm512_setzero_ps();
+        L::widen_row(q + n * qrow, d + n * srow, m + n * srow, blocks, d0, m0);
+        for (int64_t b = 0; b < blocks; ++b) {
+            __m512 v[2];
+            L::decode(q + n * qrow, b, d0, m0, v);
+            acc = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(x + b * kBlock + 16),
+                                  _mm512_fmadd_ps(v[0], _mm512_loadu_ps(x + b * kBlock), acc));
+        }
+        y[n] = reduce16(acc);
+    }
+}
+
+// y[:, n0:n1] for M activation rows: weight rows decoded in fours into `scratch` (4 x K floats, then the fp32
+// scales), then tiles of kActTile activation rows x 4 weight rows, each (row, weight row) one accumulator.
+template <int Kind>
+void many_rows(const float* x, int64_t M, const BlockView& w, float* y, int64_t n0, int64_t n1, float* scratch) {
+    using L = Layout16<Kind>;
+    const int64_t K = w.cols, N = w.rows, blocks = K / kBlock, qrow = L::row_bytes(blocks);
+    const int64_t srow = blocks / L::kPerScale;
+    const uint8_t* q = w.codes;
+    const uint16_t *d = w.scales, *m = w.offsets;
+    float* buf = scratch;
+    float* df = buf + kRowsAtOnce * K;
+    float* mf = df + blocks * L::kSlots;
+    for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
+        const int64_t rows = smaller(kRowsAtOnce, n1 - n);
+        const int64_t later = smaller(kRowsAtOnce, n1 - n - rows);  // the next group's rows, fetched meanwhile
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t row = n + r;
+            if (r < later) prefetch(q + (row + kRowsAtOnce) * qrow, qrow);
+            L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, df, mf);
+            for (int64_t b = 0; b < blocks; ++b) {
+                __m512 v[2];
+                L::decode(q + row * qrow, b, df, mf, v);
+                _mm512_storeu_ps(buf + r * K + b * kBlock, v[0]);
+                _mm512_storeu_ps(buf + r * K + b * kBlock + 16, v[1]);
+            }
+        }
+        const float* wr[kRowsAtOnce];  // short groups read row 0 again; their sums are dropped
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) wr[r] = buf + (r < rows ? r : 0) * K;
+        int64_t i = 0;
+        for (; i + kActTile <= M; i += kActTile) {
+            __m512 acc[kActTile][kRowsAtOnce];
+            for (int64_t t = 0; t < kActTile; ++t)
+                for (int64_t r = 0; r < kRowsAtOnce; ++r) acc[t][r] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                __m512 v[kActTile];
+                for (int64_t t = 0; t < kActTile; ++t) v[t] = _mm512_loadu_ps(x + (i + t) * K + k);
+                for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+                    const __m512 wk = _mm512_loadu_ps(wr[r] + k);
+                    for (int64_t t = 0; t < kActTile; ++t) acc[t][r] = _mm512_fmadd_ps(wk, v[t], acc[t][r]);
+                }
+            }
+            for (int64_t t = 0; t < kActTile; ++t)
+                for (int64_t r = 0; r < rows; ++r) y[(i + t) * N + n + r] = reduce16(acc[t][r]);
+        }
+        for (; i < M; ++i) {
+            __m512 acc[kRowsAtOnce];
+            for (int64_t r = 0; r < kRowsAtOnce; ++r) acc[r] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 16) {
+                const __m512 v = _mm512_loadu_ps(x + i * K + k);
+                for (int64_t r = 0; r < kRowsAtOnce; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + k), v, acc[r]);
+            }
+            for (int64_t r = 0; r < rows; ++r) y[i * N + n + r] = reduce16(acc[r]);
+        }
+    }
+}
+
+template <int Kind>
+void rows_of(const float* x, int64_t M, const BlockView& w, float* y, int64_t n0, int64_t n1, float* scratch) {
+    if (M == 1)
+        one_row<Kind>(x, w, y, n0, n1, scratch);
+    else
+        many_rows<Kind>(x, M, w, y, n0, n1, scratch);
+}
+
+}  // namespace
+
+void block_rows_avx512(const float* x, int64_t M, const BlockView& w, float* y, int64_t n0, int64_t n1,
+                       float* scratch) {
+    switch (w.bits) {
+        case 4: rows_of<4>(x, M, w, y, n0, n1, scratch); break;
+        case kQ5: rows_of<kQ5>(x, M, w, y, n0, n1, scratch); break;
+        case kQ4K: rows_of<kQ4K>(x, M, w, y, n0, n1, scratch); break;
+        case kQ5K: rows_of<kQ5K>(x, M, w, y, n0, n1, scratch); break;
+        case kQ6K: rows_of<kQ6K>(x, M, w, y, n0, n1, scratch); break;
+        case kQ8M: rows_of<kQ8M>(x, M, w, y, n0, n1, scratch); break;
+        default: rows_of<8>(x, M, w, y, n0, n1, scratch);
+    }
+}
+
+}  // namespace moaspec
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace moaspec {
+
+bool avx512_supported() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+}  // namespace moaspec
+
+#else  // other compilers (MSVC) and machines: the AVX2 loops only
+
+namespace moaspec {
+
+bool avx512_supported() { return false; }
+
+void block_rows_avx512(const float*, int64_t, const BlockView&, float*, int64_t, int64_t, float*) {
+    TORCH_CHECK(false, "this build has no AVX-512 loops");
+}
+
+}  // namespace moaspec
+
+#endif
