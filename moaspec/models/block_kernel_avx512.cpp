@@ -32,7 +32,7 @@
 namespace moaspec {
 namespace {
 
-constexpr int64_t kActTile = 4;  // activation rows per tile of the several-row loop (16 accumulators of 32)
+constexpr int64_t kActTile = 3;  // activation rows per tile of the several-row loop (24 accumulators of 32)
 
 inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -44,12 +44,10 @@ inline __m512 iota(float from) {
     return _mm512_add_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(from));
 }
 
-// The 16 weights 16 codes stand for in `table` (the index's low 4 bits), or in `fifth` where the mask's bit is set.
+// The 16 weights 16 codes stand for: in `table` by the index's low 4 bits, or, for 5-bit codes (0..31, nothing above),
+// in `table` and then `fifth` (vpermt2ps looks up in both at once).
 inline __m512 look_up(__m512i index, __m512 table) { return _mm512_permutexvar_ps(index, table); }
-inline __m512 look_up(__m512i index, __m512 table, __mmask16 high, __m512 fifth) {
-    const __m512i low4 = _mm512_and_si512(index, _mm512_set1_epi32(15));  // bit 4: the fifth bit, from the mask
-    return _mm512_permutex2var_ps(table, _mm512_mask_or_epi32(low4, high, low4, _mm512_set1_epi32(16)), fifth);
-}
+inline __m512 look_up(__m512i index, __m512 table, __m512 fifth) { return _mm512_permutex2var_ps(table, index, fifth); }
 
 // 16 unsigned byte codes as 16 lanes of fma(q, d, m), or signed ones as d*q (no offset) or fma(q, d, m).
 inline __m512 widen16(__m128i bytes, __m512 d, __m512 m) {
@@ -88,9 +86,13 @@ struct Layout16<kQ5> : Geometry<kQ5> {  // bit i of the block's first 4 bytes: e
         __builtin_memcpy(&high, q, 4);
         const __m512 d = _mm512_set1_ps(df[b]), m = _mm512_set1_ps(mf[b]);
         const __m512 table = _mm512_fmadd_ps(iota(0), d, m), fifth = _mm512_fmadd_ps(iota(16), d, m);
-        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4)));
-        w[0] = look_up(c, table, static_cast<__mmask16>(high), fifth);
-        w[1] = look_up(_mm512_srli_epi32(c, 4), table, static_cast<__mmask16>(high >> 16), fifth);
+        // the 5-bit codes as bytes (cheap 16-byte operations), then widened: elements 0..15 and 16..31
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4)), mask = _mm_set1_epi8(0x0F);
+        const __m128i sixteen = _mm_set1_epi8(16);
+        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        w[0] = look_up(_mm512_cvtepu8_epi32(_mm_mask_add_epi8(lo, static_cast<__mmask16>(high), lo, sixteen)), table, fifth);
+        w[1] = look_up(_mm512_cvtepu8_epi32(_mm_mask_add_epi8(hi, static_cast<__mmask16>(high >> 16), hi, sixteen)), table,
+                       fifth);
     }
 };
 
@@ -111,20 +113,22 @@ struct KLayout16 : Geometry<Kind> {  // Q4_K and Q5_K: one table per block of 32
         const int j = static_cast<int>(b % 8);
         const __m512 d = _mm512_set1_ps(df[b]), m = _mm512_set1_ps(mf[b]);
         const __m512 table = _mm512_fmadd_ps(iota(0), d, m);
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(G::nibbles(row, b)));
-        const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));  // odd blocks are the high nibbles
-        const __m512i c0 = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes)), shift);
-        const __m512i c1 = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1)), shift);
+        const uint8_t* nibbles = G::nibbles(row, b);
         if constexpr (Kind == kQ4K) {
+            __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles)));
+            __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + 16)));
+            if (j & 1) {  // odd blocks are the high nibbles (the lookup reads the low 4 bits: even ones need no shift)
+                c0 = _mm512_srli_epi32(c0, 4);
+                c1 = _mm512_srli_epi32(c1, 4);
+            }
             w[0] = look_up(c0, table);
             w[1] = look_up(c1, table);
-        } else {  // bit j of high byte l is block j's element l
-            const __mmask32 high = _mm256_test_epi8_mask(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(G::fifth_bits(row, b))),
-                _mm256_set1_epi8(static_cast<char>(1 << j)));
+        } else {  // bit j of high byte l is block j's element l: the 5-bit codes as bytes, then widened
+            const __m256i code = _mm256_or_si256(bits_of(nibbles, 4 * (j & 1), 0x0F),
+                                                 _mm256_slli_epi16(bits_of(G::fifth_bits(row, b), j, 1), 4));
             const __m512 fifth = _mm512_fmadd_ps(iota(16), d, m);
-            w[0] = look_up(c0, table, static_cast<__mmask16>(high), fifth);
-            w[1] = look_up(c1, table, static_cast<__mmask16>(high >> 16), fifth);
+            w[0] = look_up(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(code)), table, fifth);
+            w[1] = look_up(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(code, 1)), table, fifth);
         }
     }
 };
@@ -160,8 +164,8 @@ void one_row(const float* x, const BlockView& w, float* y, int64_t n0, int64_t n
         const uint8_t* q0 = q + n * qrow;
         for (int64_t r = 0; r < kRowsAtOnce; ++r)
             L::widen_row(q0 + r * qrow, d + (n + r) * srow, m + (n + r) * srow, blocks, d0 + r * slots, m0 + r * slots);
-        __m512 a[kRowsAtOnce];
-        for (int64_t r = 0; r < kRowsAtOnce; ++r) a[r] = _mm512_setzero_ps();
+        __m512 a[kRowsAtOnce], e[kRowsAtOnce];
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) a[r] = e[r] = _mm512_setzero_ps();
         const uint8_t* ahead = q0 + (n + 2 * kRowsAtOnce <= n1 ? group : 0);  // the next group's codes
         for (int64_t b = 0; b < blocks; ++b) {
             prefetch(ahead + b * stride, stride);
@@ -169,21 +173,22 @@ void one_row(const float* x, const BlockView& w, float* y, int64_t n0, int64_t n
             for (int64_t r = 0; r < kRowsAtOnce; ++r) {
                 __m512 v[2];
                 L::decode(q0 + r * qrow, b, d0 + r * slots, m0 + r * slots, v);
-                a[r] = _mm512_fmadd_ps(v[1], x1, _mm512_fmadd_ps(v[0], x0, a[r]));
+                a[r] = _mm512_fmadd_ps(v[0], x0, a[r]);
+                e[r] = _mm512_fmadd_ps(v[1], x1, e[r]);
             }
         }
-        for (int64_t r = 0; r < kRowsAtOnce; ++r) y[n + r] = reduce16(a[r]);
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) y[n + r] = reduce16(_mm512_add_ps(a[r], e[r]));
     }
     for (; n < n1; ++n) {
-        __m512 acc = _mm512_setzero_ps();
+        __m512 a = _mm512_setzero_ps(), e = a;
         L::widen_row(q + n * qrow, d + n * srow, m + n * srow, blocks, d0, m0);
         for (int64_t b = 0; b < blocks; ++b) {
             __m512 v[2];
             L::decode(q + n * qrow, b, d0, m0, v);
-            acc = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(x + b * kBlock + 16),
-                                  _mm512_fmadd_ps(v[0], _mm512_loadu_ps(x + b * kBlock), acc));
+            a = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(x + b * kBlock), a);
+            e = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(x + b * kBlock + 16), e);
         }
-        y[n] = reduce16(acc);
+        y[n] = reduce16(_mm512_add_ps(a, e));
     }
 }
 
@@ -217,28 +222,37 @@ void many_rows(const float* x, int64_t M, const BlockView& w, float* y, int64_t 
         for (int64_t r = 0; r < kRowsAtOnce; ++r) wr[r] = buf + (r < rows ? r : 0) * K;
         int64_t i = 0;
         for (; i + kActTile <= M; i += kActTile) {
-            __m512 acc[kActTile][kRowsAtOnce];
+            __m512 a[kActTile][kRowsAtOnce], e[kActTile][kRowsAtOnce];
             for (int64_t t = 0; t < kActTile; ++t)
-                for (int64_t r = 0; r < kRowsAtOnce; ++r) acc[t][r] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 16) {
-                __m512 v[kActTile];
-                for (int64_t t = 0; t < kActTile; ++t) v[t] = _mm512_loadu_ps(x + (i + t) * K + k);
+                for (int64_t r = 0; r < kRowsAtOnce; ++r) a[t][r] = e[t][r] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += kBlock) {
+                __m512 v[kActTile], u[kActTile];
+                for (int64_t t = 0; t < kActTile; ++t) {
+                    v[t] = _mm512_loadu_ps(x + (i + t) * K + k);
+                    u[t] = _mm512_loadu_ps(x + (i + t) * K + k + 16);
+                }
                 for (int64_t r = 0; r < kRowsAtOnce; ++r) {
-                    const __m512 wk = _mm512_loadu_ps(wr[r] + k);
-                    for (int64_t t = 0; t < kActTile; ++t) acc[t][r] = _mm512_fmadd_ps(wk, v[t], acc[t][r]);
+                    const __m512 w0 = _mm512_loadu_ps(wr[r] + k), w1 = _mm512_loadu_ps(wr[r] + k + 16);
+                    for (int64_t t = 0; t < kActTile; ++t) {
+                        a[t][r] = _mm512_fmadd_ps(w0, v[t], a[t][r]);
+                        e[t][r] = _mm512_fmadd_ps(w1, u[t], e[t][r]);
+                    }
                 }
             }
             for (int64_t t = 0; t < kActTile; ++t)
-                for (int64_t r = 0; r < rows; ++r) y[(i + t) * N + n + r] = reduce16(acc[t][r]);
+                for (int64_t r = 0; r < rows; ++r) y[(i + t) * N + n + r] = reduce16(_mm512_add_ps(a[t][r], e[t][r]));
         }
         for (; i < M; ++i) {
-            __m512 acc[kRowsAtOnce];
-            for (int64_t r = 0; r < kRowsAtOnce; ++r) acc[r] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 16) {
-                const __m512 v = _mm512_loadu_ps(x + i * K + k);
-                for (int64_t r = 0; r < kRowsAtOnce; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + k), v, acc[r]);
+            __m512 a[kRowsAtOnce], e[kRowsAtOnce];
+            for (int64_t r = 0; r < kRowsAtOnce; ++r) a[r] = e[r] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += kBlock) {
+                const __m512 v = _mm512_loadu_ps(x + i * K + k), u = _mm512_loadu_ps(x + i * K + k + 16);
+                for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+                    a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + k), v, a[r]);
+                    e[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + k + 16), u, e[r]);
+                }
             }
-            for (int64_t r = 0; r < rows; ++r) y[i * N + n + r] = reduce16(acc[r]);
+            for (int64_t r = 0; r < rows; ++r) y[i * N + n + r] = reduce16(_mm512_add_ps(a[r], e[r]));
         }
     }
 }
