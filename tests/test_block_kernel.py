@@ -28,6 +28,27 @@ def isa(request: pytest.FixtureRequest) -> object:
     block_kernel.set_instruction_set(before or "avx2")
 
 
+@needs_kernel
+def test_instruction_sets_are_chosen_by_name_and_a_missing_one_is_refused(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    module = block_kernel.kernel()
+    assert module is not None and "avx2" in block_kernel.instruction_sets()
+    own = block_kernel.instruction_set()
+    with pytest.raises(ValueError, match="not available here"):
+        block_kernel.set_instruction_set("avx1024")
+    try:
+        monkeypatch.setenv(block_kernel.ISA_VARIABLE, "avx2")
+        block_kernel._choose_instruction_set(module)
+        assert block_kernel.instruction_set() == "avx2"
+        monkeypatch.setenv(block_kernel.ISA_VARIABLE, "sse2")
+        block_kernel._choose_instruction_set(module)
+        assert block_kernel.instruction_set() == "avx2"  # kept, and said in one line
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "moaspec: MOASPEC_KERNEL_ISA=sse2 ignored: unknown instruction set 'sse2': avx2 or avx512"]
+    finally:
+        block_kernel.set_instruction_set(own or "avx2")
+
+
 def random_blocks(bits: int, out: int, inner: int, seed: int = 0) -> BlockWeights:
     """Blocks with every code value and scales/offsets as fp16 would store them (what GGUF files hold)."""
     g = torch.Generator().manual_seed(seed)
@@ -114,7 +135,7 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_the_product_has(kind: st
     w = file_blocks(kind, 131, 256, seed=2)
     x = torch.randn(67, 256, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([block_kernel.product(x[i : i + 1].contiguous(), w) for i in range(len(x))])
-    for rows in (2, 3, 4, 5, 6, 16, 64, 67):
+    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 16, 64, 67):
         assert torch.equal(block_kernel.product(x[:rows].contiguous(), w), alone[:rows])
     with torch.inference_mode():  # and with torch's other thread count
         threads = torch.get_num_threads()

@@ -198,6 +198,44 @@ void one_row(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t
     }
 }
 
+// y[:, n0:n1] for T = 2..4 activation rows (a short verification's): as one_row, each block decoded in registers and
+// used at once by every activation row, R weight rows at a time, with no buffer to write and read back. Each output
+// is one_row's accumulator, in its order.
+template <int Kind, int T, int R>
+void few_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+    using L = Layout<Kind>;
+    const int64_t blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    const int64_t slots = blocks * L::kSlots;
+    std::vector<float> widened(2 * R * slots, 0.0f);
+    float* d0 = widened.data();
+    float* m0 = d0 + R * slots;
+    const int64_t group = R * qrow, stride = group / blocks;
+    for (int64_t n = n0; n < n1; n += R) {
+        const int64_t rows = std::min<int64_t>(R, n1 - n);  // a short group decodes its first row again, unused
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t row = n + (r < rows ? r : 0);
+            L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, d0 + r * slots, m0 + r * slots);
+        }
+        __m256 acc[T][R];
+        for (int t = 0; t < T; ++t)
+            for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+        const uint8_t* ahead = q + n * qrow + (n + 2 * R <= n1 ? group : 0);
+        for (int64_t b = 0; b < blocks; ++b) {
+            prefetch(ahead + b * stride, stride);
+            for (int r = 0; r < R; ++r) {
+                __m256 w[4];
+                L::decode(q + (n + (r < rows ? r : 0)) * qrow, b, d0 + r * slots, m0 + r * slots, w);
+                for (int t = 0; t < T; ++t)
+                    for (int j = 0; j < 4; ++j)
+                        acc[t][r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * K + b * kBlock + 8 * j), acc[t][r]);
+            }
+        }
+        for (int t = 0; t < T; ++t)
+            for (int64_t r = 0; r < rows; ++r) y[t * N + n + r] = reduce(acc[t][r]);
+    }
+}
+
 // y[:, n0:n1] for M activation rows: weight rows decoded in fours into `buf` (4 x K floats), then tiles of
 // kActTile activation rows x 4 weight rows, each (row, weight row) one accumulator as in one_row.
 template <int Kind>
@@ -268,16 +306,28 @@ void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16
 // Weight rows per task: a multiple of kRowsAtOnce, so that tasks never split a group of four.
 constexpr int64_t kGrain = 64;
 
+// p rounded up to a 64-byte boundary (within 16 floats of it): a 16-lane load there never spans two cache lines,
+// which costs Zen 4 about a second load.
+inline float* aligned(float* p) {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 template <int Kind>
 void product_into(const float* x, int64_t M, const BlockView& w, float* y, bool wide) {
     const int64_t K = w.cols, N = w.rows;
     at::parallel_for(0, (N + kGrain - 1) / kGrain, 1, [&](int64_t t0, int64_t t1) {
         const int64_t n0 = t0 * kGrain, n1 = std::min(N, t1 * kGrain);
         if (wide) {
-            std::vector<float> scratch(avx512_scratch(K));
-            block_rows_avx512(x, M, w, y, n0, n1, scratch.data());
+            std::vector<float> scratch(avx512_scratch(K) + 16);
+            block_rows_avx512(x, M, w, y, n0, n1, aligned(scratch.data()));
         } else if (M == 1) {
             one_row<Kind>(x, w.codes, w.scales, w.offsets, y, K, n0, n1);
+        } else if (M == 2) {
+            few_rows<Kind, 2, 2>(x, w.codes, w.scales, w.offsets, y, K, N, n0, n1);
+        } else if (M == 3) {
+            few_rows<Kind, 3, 2>(x, w.codes, w.scales, w.offsets, y, K, N, n0, n1);
+        } else if (M == 4) {
+            few_rows<Kind, 4, 2>(x, w.codes, w.scales, w.offsets, y, K, N, n0, n1);
         } else {
             many_rows<Kind>(x, w.codes, w.scales, w.offsets, y, M, K, N, n0, n1);
         }

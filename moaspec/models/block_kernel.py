@@ -10,7 +10,9 @@ dequantise whole matrices per call, torch's int4 kernel wants bf16 activations.
 The extension is compiled on first use with torch's own C++ extension tooling (ninja and the
 system's C++ compiler) into the cache (``~/.cache/moaspec/kernels/<name with the sources' digest>``) and
 reused from there. Where it cannot be (no compiler, a CPU without AVX2, FMA or F16C), :func:`kernel` says
-why in one line and GGUF targets run on their dequantised fp32 weights as before.
+why in one line and GGUF targets run on their dequantised fp32 weights as before. Where the CPU has AVX-512
+(F, BW, VL, DQ), products run on 16-lane loops (``block_kernel_avx512.cpp``), chosen at run time, so one build
+serves every x86 CPU; ``$MOASPEC_KERNEL_ISA=avx2`` keeps such a CPU on the AVX2 loops.
 
 How the build survives faults:
 
@@ -244,12 +246,20 @@ def kernel() -> ModuleType | None:
             _why_not = f"it could not be loaded or built ({type(exc).__name__}: {brief(exc, 200) or 'no message'})"
     if _module is None:
         print(f"moaspec: GGUF targets run on dequantised fp32 weights: {_why_not}", file=sys.stderr)
-    elif (isa := os.environ.get(ISA_VARIABLE)) and isa != _module.instruction_set():
+    else:
+        _choose_instruction_set(_module)
+    return _module
+
+
+def _choose_instruction_set(module: ModuleType) -> None:
+    """Apply ``$MOASPEC_KERNEL_ISA`` to a freshly loaded kernel; a value this CPU cannot run is said, in one line,
+    and left (the kernel keeps the best loops it has)."""
+    isa = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if isa and isa != module.instruction_set():
         try:
-            _module.set_instruction_set(isa)
+            module.set_instruction_set(isa)
         except RuntimeError as exc:
             print(f"moaspec: {ISA_VARIABLE}={isa} ignored: {brief(exc, 120)}", file=sys.stderr)
-    return _module
 
 
 def instruction_set() -> str | None:

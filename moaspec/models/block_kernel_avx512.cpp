@@ -32,7 +32,7 @@
 namespace moaspec {
 namespace {
 
-constexpr int64_t kActTile = 3;  // activation rows per tile of the several-row loop (24 accumulators of 32)
+constexpr int64_t kActTile = 4;  // activation rows per tile of the several-row loop (16 accumulators of 32)
 
 inline int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -192,8 +192,73 @@ void one_row(const float* x, const BlockView& w, float* y, int64_t n0, int64_t n
     }
 }
 
+// y[:, n0:n1] for T = 2..8 activation rows (a short verification's): as one_row, each block decoded in registers and
+// used at once by every activation row, R weight rows at a time (R * T * 2 accumulators in registers), with no
+// buffer to write and read back. Each output's two sums are one_row's, in its order.
+template <int Kind, int T, int R>
+void few_rows(const float* x, const BlockView& w, float* y, int64_t n0, int64_t n1, float* scratch) {
+    using L = Layout16<Kind>;
+    const int64_t K = w.cols, N = w.rows, blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    const int64_t slots = blocks * L::kSlots;
+    const uint8_t* q = w.codes;
+    const uint16_t *d = w.scales, *m = w.offsets;
+    float* d0 = scratch;
+    float* m0 = d0 + R * slots;
+    const int64_t group = R * qrow, stride = group / blocks;
+    for (int64_t n = n0; n < n1; n += R) {
+        const int64_t rows = smaller(R, n1 - n);  // a short group decodes its last row again; its sums are dropped
+        const uint8_t* q0 = q + n * qrow;
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t row = n + (r < rows ? r : 0);
+            L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, d0 + r * slots, m0 + r * slots);
+        }
+        __m512 a[T][R], e[T][R];
+        for (int t = 0; t < T; ++t)
+            for (int r = 0; r < R; ++r) a[t][r] = e[t][r] = _mm512_setzero_ps();
+        const uint8_t* ahead = q0 + (n + 2 * R <= n1 ? group : 0);
+        for (int64_t b = 0; b < blocks; ++b) {
+            prefetch(ahead + b * stride, stride);
+            for (int r = 0; r < R; ++r) {
+                __m512 v[2];
+                L::decode(q + (n + (r < rows ? r : 0)) * qrow, b, d0 + r * slots, m0 + r * slots, v);
+                for (int t = 0; t < T; ++t) {
+                    a[t][r] = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(x + t * K + b * kBlock), a[t][r]);
+                    e[t][r] = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(x + t * K + b * kBlock + 16), e[t][r]);
+                }
+            }
+        }
+        for (int t = 0; t < T; ++t)
+            for (int64_t r = 0; r < rows; ++r) y[t * N + n + r] = reduce16(_mm512_add_ps(a[t][r], e[t][r]));
+    }
+}
+
+// y[t, 0:rows] for T activation rows x[t] (rows of K) and 4 decoded weight rows w[r] (rows beyond `rows` are
+// read, their sums dropped): one_row's two sums of each output (elements 0..15 and 16..31 of every block), in two
+// passes that keep a tile's 4 x T accumulators in registers, each the same fp32 sum in the same order as there.
+template <int T>
+void tile(const float* x, int64_t K, const float* const w[kRowsAtOnce], int64_t rows, float* y, int64_t N) {
+    __m512 sums[2][T][kRowsAtOnce];
+    for (int64_t half = 0; half < 2; ++half) {
+        __m512 acc[T][kRowsAtOnce];
+        for (int t = 0; t < T; ++t)
+            for (int64_t r = 0; r < kRowsAtOnce; ++r) acc[t][r] = _mm512_setzero_ps();
+        for (int64_t k = 16 * half; k < K; k += kBlock) {
+            __m512 v[T];
+            for (int t = 0; t < T; ++t) v[t] = _mm512_loadu_ps(x + t * K + k);
+            for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+                const __m512 wk = _mm512_loadu_ps(w[r] + k);
+                for (int t = 0; t < T; ++t) acc[t][r] = _mm512_fmadd_ps(wk, v[t], acc[t][r]);
+            }
+        }
+        for (int t = 0; t < T; ++t)
+            for (int64_t r = 0; r < kRowsAtOnce; ++r) sums[half][t][r] = acc[t][r];
+    }
+    for (int t = 0; t < T; ++t)
+        for (int64_t r = 0; r < rows; ++r) y[t * N + r] = reduce16(_mm512_add_ps(sums[0][t][r], sums[1][t][r]));
+}
+
 // y[:, n0:n1] for M activation rows: weight rows decoded in fours into `scratch` (4 x K floats, then the fp32
-// scales), then tiles of kActTile activation rows x 4 weight rows, each (row, weight row) one accumulator.
+// scales), then tiles of up to kActTile activation rows x 4 weight rows.
 template <int Kind>
 void many_rows(const float* x, int64_t M, const BlockView& w, float* y, int64_t n0, int64_t n1, float* scratch) {
     using L = Layout16<Kind>;
@@ -221,48 +286,29 @@ void many_rows(const float* x, int64_t M, const BlockView& w, float* y, int64_t 
         const float* wr[kRowsAtOnce];  // short groups read row 0 again; their sums are dropped
         for (int64_t r = 0; r < kRowsAtOnce; ++r) wr[r] = buf + (r < rows ? r : 0) * K;
         int64_t i = 0;
-        for (; i + kActTile <= M; i += kActTile) {
-            __m512 a[kActTile][kRowsAtOnce], e[kActTile][kRowsAtOnce];
-            for (int64_t t = 0; t < kActTile; ++t)
-                for (int64_t r = 0; r < kRowsAtOnce; ++r) a[t][r] = e[t][r] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += kBlock) {
-                __m512 v[kActTile], u[kActTile];
-                for (int64_t t = 0; t < kActTile; ++t) {
-                    v[t] = _mm512_loadu_ps(x + (i + t) * K + k);
-                    u[t] = _mm512_loadu_ps(x + (i + t) * K + k + 16);
-                }
-                for (int64_t r = 0; r < kRowsAtOnce; ++r) {
-                    const __m512 w0 = _mm512_loadu_ps(wr[r] + k), w1 = _mm512_loadu_ps(wr[r] + k + 16);
-                    for (int64_t t = 0; t < kActTile; ++t) {
-                        a[t][r] = _mm512_fmadd_ps(w0, v[t], a[t][r]);
-                        e[t][r] = _mm512_fmadd_ps(w1, u[t], e[t][r]);
-                    }
-                }
-            }
-            for (int64_t t = 0; t < kActTile; ++t)
-                for (int64_t r = 0; r < rows; ++r) y[(i + t) * N + n + r] = reduce16(_mm512_add_ps(a[t][r], e[t][r]));
-        }
-        for (; i < M; ++i) {
-            __m512 a[kRowsAtOnce], e[kRowsAtOnce];
-            for (int64_t r = 0; r < kRowsAtOnce; ++r) a[r] = e[r] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += kBlock) {
-                const __m512 v = _mm512_loadu_ps(x + i * K + k), u = _mm512_loadu_ps(x + i * K + k + 16);
-                for (int64_t r = 0; r < kRowsAtOnce; ++r) {
-                    a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + k), v, a[r]);
-                    e[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + k + 16), u, e[r]);
-                }
-            }
-            for (int64_t r = 0; r < rows; ++r) y[i * N + n + r] = reduce16(_mm512_add_ps(a[r], e[r]));
+        for (; i + kActTile <= M; i += kActTile) tile<kActTile>(x + i * K, K, wr, rows, y + i * N + n, N);
+        switch (M - i) {  // the last rows, as one shorter tile
+            case 3: tile<3>(x + i * K, K, wr, rows, y + i * N + n, N); break;
+            case 2: tile<2>(x + i * K, K, wr, rows, y + i * N + n, N); break;
+            case 1: tile<1>(x + i * K, K, wr, rows, y + i * N + n, N); break;
+            default: break;
         }
     }
 }
 
 template <int Kind>
 void rows_of(const float* x, int64_t M, const BlockView& w, float* y, int64_t n0, int64_t n1, float* scratch) {
-    if (M == 1)
-        one_row<Kind>(x, w, y, n0, n1, scratch);
-    else
-        many_rows<Kind>(x, M, w, y, n0, n1, scratch);
+    switch (M) {
+        case 1: one_row<Kind>(x, w, y, n0, n1, scratch); break;
+        case 2: few_rows<Kind, 2, 4>(x, w, y, n0, n1, scratch); break;
+        case 3: few_rows<Kind, 3, 2>(x, w, y, n0, n1, scratch); break;
+        case 4: few_rows<Kind, 4, 2>(x, w, y, n0, n1, scratch); break;
+        case 5: few_rows<Kind, 5, 2>(x, w, y, n0, n1, scratch); break;
+        case 6: few_rows<Kind, 6, 2>(x, w, y, n0, n1, scratch); break;
+        case 7: few_rows<Kind, 7, 1>(x, w, y, n0, n1, scratch); break;
+        case 8: few_rows<Kind, 8, 1>(x, w, y, n0, n1, scratch); break;
+        default: many_rows<Kind>(x, M, w, y, n0, n1, scratch);
+    }
 }
 
 }  // namespace
