@@ -49,7 +49,7 @@ def machine_key(target: LoadedModel, drafter_path: str | Path | None, drafter: D
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.machine()}",
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "torch": torch.__version__,
-        "kernel": block_kernel.instruction_set(),  # AVX2 and AVX-512 loops cost differently
+        "kernel": block_kernel.build_id(),  # another kernel build, or its AVX2 loops beside AVX-512 ones, costs otherwise
         "drafter": None, "drafter_bytes": None, "drafter_mtime_ns": None, "drafter_dtype": None,
     }
     if drafter_path is not None:

@@ -270,6 +270,12 @@ def instruction_set() -> str | None:
     return None if _module is None else cast(str, _module.instruction_set())
 
 
+def build_id() -> str | None:
+    """What the loaded kernel is, for keys of measured costs: its build (the sources' digest) and the loops it runs
+    on; ``None`` before the kernel is loaded or where it cannot be. Another build or instruction set costs otherwise."""
+    return None if _module is None else f"{library_path().stem} {instruction_set()}"
+
+
 def instruction_sets() -> list[str]:
     """The loops this CPU can run (``[]`` where the kernel cannot be had): tests and benchmarks run each."""
     module = kernel()
