@@ -13,10 +13,12 @@
 // same in a product of 1 row or of 64, which lossless speculative decoding needs: a verification of k
 // tokens must score each token exactly as a step of plain decoding does.
 //
-// Two loops compute that same arithmetic. One row (a decoding step): weight rows 4 at a time, each
-// block decoded in registers and used at once, 4 independent accumulators. Several rows (a
-// verification): 4 weight rows decoded once into a small buffer that stays in L1, then 3 x 4 tiles of
+// Three loops compute that same arithmetic. One row (a decoding step): weight rows 4 at a time, each
+// block decoded in registers and used at once, 4 independent accumulators. Two to four rows (a short
+// verification): the same, each decoded block used by every activation row, 2 weight rows at a time.
+// More rows: 4 weight rows decoded once into a small buffer that stays in L1, then 3 x 4 tiles of
 // (activation row, weight row) accumulators read it, so the decoding is paid once for every row.
+// Where the CPU has AVX-512, block_kernel_avx512.cpp's 16-lane loops run instead (chosen at run time).
 // Threads split the weight rows through ATen's own pool (at::parallel_for), never torch's other work.
 // Both loops prefetch the next group's codes while they use this group's: without it a step's products
 // streamed Q4 and Q8 blocks from memory at half the speed they ran from cache (benchmarks/block_types.py).
