@@ -244,7 +244,7 @@ template <int Kind>
 void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* y,
                int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
     using L = Layout<Kind>;
-    const int64_t blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    const int64_t blocks = K / kBlock;
     std::vector<float> storage(kRowsAtOnce * K + 16), widened(2 * blocks * L::kSlots, 0.0f);
     float* buf = storage.data();
     float* df = widened.data();
@@ -252,16 +252,12 @@ void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16
     for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
         const int64_t rows = std::min(kRowsAtOnce, n1 - n);
         const int64_t later = std::min(kRowsAtOnce, n1 - n - rows);  // the next group's rows, fetched meanwhile
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t row = n + r;
-            if (r < later) prefetch(q + (row + kRowsAtOnce) * qrow, qrow);
-            L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, df, mf);
-            for (int64_t b = 0; b < blocks; ++b) {
-                __m256 w[4];
-                L::decode(q + row * qrow, b, df, mf, w);
-                for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * K + b * kBlock + 8 * j, w[j]);
-            }
-        }
+        decode_rows<L>(q, d, m, n, rows, later, K, buf, df, mf,
+                       [](const uint8_t* row, int64_t b, const float* dr, const float* mr, float* out) {
+                           __m256 w[4];
+                           L::decode(row, b, dr, mr, w);
+                           for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, w[j]);
+                       });
         const float* w0 = buf;
         const float* w1 = buf + (rows > 1 ? 1 : 0) * K;  // short groups read row 0 again; their sums are dropped
         const float* w2 = buf + (rows > 2 ? 2 : 0) * K;

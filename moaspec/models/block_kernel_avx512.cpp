@@ -4,12 +4,13 @@
 // A block of 4-bit codes with scale d and offset m holds at most 16 distinct weights, fma(i, d, m) for i = 0..15.
 // One 16-lane fma builds that table, exactly the values the AVX2 decoder computes code by code, and one permute
 // (vpermps, which reads an index's low 4 bits) gives 16 weights from 16 codes: no conversion, no mask for the low
-// nibbles. Q5_0/Q5_1 and Q5_K add a second table for the codes whose fifth bit is set, chosen by a mask register
-// that is the fifth bits themselves. Q8_0 and Q6_K (64 weights per scale) widen and convert 16 codes at a time.
+// nibbles. Q5_0/Q5_1 and Q5_K look up in two tables at once (vpermt2ps), after a mask register holding the fifth bits
+// sets bit 4 of the codes' bytes. Q8_0 and Q6_K (64 weights per scale) convert 16 codes at a time.
 //
-// Every output y[m, n] is one 16-lane accumulator over the input in a fixed order, reduced in a fixed tree, in
-// both loops, so a row's result is bitwise the same in a product of 1 row or of 64, as in the AVX2 file. The two
-// files' results differ from each other in the order of their fp32 sums: a process uses one of them throughout.
+// Every output y[m, n] is two 16-lane sums over the input in a fixed order (the first and the last 16 weights of
+// each block: two chains of dependent fmas, not one), added and reduced in a fixed tree, in all three loops, so a
+// row's result is bitwise the same in a product of 1 row or of 64, as in the AVX2 file. The two files' results
+// differ from each other in the order of their fp32 sums: a process uses one of them throughout.
 //
 // This file is compiled for AVX-512 by the pragma below, not by the command line, so that the build needs no
 // other flags; its functions run only where block_kernel.cpp found the CPU able to (avx512_supported). It includes
@@ -19,7 +20,6 @@
 #include "block_kernel.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
-#define MOASPEC_AVX512 1
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
 #else
@@ -262,8 +262,7 @@ void tile(const float* x, int64_t K, const float* const w[kRowsAtOnce], int64_t 
 template <int Kind>
 void many_rows(const float* x, int64_t M, const BlockView& w, float* y, int64_t n0, int64_t n1, float* scratch) {
     using L = Layout16<Kind>;
-    const int64_t K = w.cols, N = w.rows, blocks = K / kBlock, qrow = L::row_bytes(blocks);
-    const int64_t srow = blocks / L::kPerScale;
+    const int64_t K = w.cols, N = w.rows, blocks = K / kBlock;
     const uint8_t* q = w.codes;
     const uint16_t *d = w.scales, *m = w.offsets;
     float* buf = scratch;
@@ -272,17 +271,13 @@ void many_rows(const float* x, int64_t M, const BlockView& w, float* y, int64_t 
     for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
         const int64_t rows = smaller(kRowsAtOnce, n1 - n);
         const int64_t later = smaller(kRowsAtOnce, n1 - n - rows);  // the next group's rows, fetched meanwhile
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t row = n + r;
-            if (r < later) prefetch(q + (row + kRowsAtOnce) * qrow, qrow);
-            L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, df, mf);
-            for (int64_t b = 0; b < blocks; ++b) {
-                __m512 v[2];
-                L::decode(q + row * qrow, b, df, mf, v);
-                _mm512_storeu_ps(buf + r * K + b * kBlock, v[0]);
-                _mm512_storeu_ps(buf + r * K + b * kBlock + 16, v[1]);
-            }
-        }
+        decode_rows<L>(q, d, m, n, rows, later, K, buf, df, mf,
+                       [](const uint8_t* row, int64_t b, const float* dr, const float* mr, float* out) {
+                           __m512 v[2];
+                           L::decode(row, b, dr, mr, v);
+                           _mm512_storeu_ps(out, v[0]);
+                           _mm512_storeu_ps(out + 16, v[1]);
+                       });
         const float* wr[kRowsAtOnce];  // short groups read row 0 again; their sums are dropped
         for (int64_t r = 0; r < kRowsAtOnce; ++r) wr[r] = buf + (r < rows ? r : 0) * K;
         int64_t i = 0;

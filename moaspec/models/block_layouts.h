@@ -166,5 +166,20 @@ struct Geometry<kQ6K> {  // super-blocks of 256 whose fp16 d is the scale (offse
     }
 };
 
+// The several-row loops' first half, for either instruction set: weight rows n .. n + rows - 1 decoded into `buf` (K
+// floats each) by `decode_block(row, b, df, mf, out)`, which writes block b's 32 weights to out, while the next
+// `later` rows' codes are fetched; df and mf hold one row's fp32 scales and offsets at a time.
+template <class L, class DecodeBlock>
+void decode_rows(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t n, int64_t rows, int64_t later,
+                 int64_t K, float* buf, float* df, float* mf, DecodeBlock decode_block) {
+    const int64_t blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = n + r;
+        if (r < later) prefetch(q + (row + kRowsAtOnce) * qrow, qrow);
+        L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, df, mf);
+        for (int64_t b = 0; b < blocks; ++b) decode_block(q + row * qrow, b, df, mf, buf + r * K + b * kBlock);
+    }
+}
+
 }  // namespace
 }  // namespace moaspec
