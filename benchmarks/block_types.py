@@ -7,6 +7,9 @@ interleaved within each round:
 
     .venv/bin/python benchmarks/block_types.py --threads 2
 
+Where the CPU has AVX-512, both instruction sets' loops run side by side (``--isa`` picks); ``--rows 5`` times
+the products of a verification of 5 tokens instead of a step's.
+
 docs/models-and-precision.md gives the figures; the bits per weight include the scales.
 """
 
@@ -40,32 +43,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rows", type=int, default=1, help="activation rows per product (1: a decoding step's)")
+    ap.add_argument("--isa", default=None, help="instruction sets' loops to compare, comma-separated "
+                    "(default: every one this CPU has)")
     args = ap.parse_args()
     if (why := block_kernel.cpu_supported()) is not None or block_kernel.kernel() is None:
         raise SystemExit(f"block_types: no kernel here ({why or 'it could not be built'})")
+    isas = args.isa.split(",") if args.isa else block_kernel.instruction_sets()
+    if missing := [i for i in isas if i not in block_kernel.instruction_sets()]:
+        raise SystemExit(f"block_types: this CPU has no {', '.join(missing)} loops")
     torch.set_num_threads(args.threads)
     weights = {name: [random_weights(name, i) for i in range(COPIES)] for name in TYPES}
-    x = torch.randn(1, IN)
-    streamed: dict[str, list[float]] = {name: [] for name in TYPES}
-    cached: dict[str, list[float]] = {name: [] for name in TYPES}
+    x = torch.randn(args.rows, IN)
+    cells = [(isa, name) for isa in isas for name in TYPES]
+    streamed: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
+    cached: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
     for _ in range(args.rounds):
-        for name, copies in weights.items():
+        for isa, name in cells:
+            block_kernel.set_instruction_set(isa)
+            copies = weights[name]
             t0 = time.perf_counter()
             for w in copies:
                 block_kernel.product(x, w)
-            streamed[name].append((time.perf_counter() - t0) / COPIES)
+            streamed[isa, name].append((time.perf_counter() - t0) / COPIES)
             block_kernel.product(x, copies[0])
             t0 = time.perf_counter()
             for _ in range(COPIES):
                 block_kernel.product(x, copies[0])
-            cached[name].append((time.perf_counter() - t0) / COPIES)
-    print(f"one-row products of a [{OUT}, {IN}] weight, {args.threads} threads, medians of {args.rounds} rounds")
-    print(f"{'type':6} {'bits/weight':>11} {'streamed µs':>12} {'GB/s':>6} {'in cache µs':>12} {'weights/ns':>10}")
-    for name, copies in weights.items():
-        s, c = statistics.median(streamed[name]), statistics.median(cached[name])
-        nbytes = copies[0].nbytes
-        print(f"{name:6} {8 * nbytes / (OUT * IN):11.2f} {s * 1e6:12.0f} {nbytes / s / 1e9:6.1f} {c * 1e6:12.0f} "
-              f"{OUT * IN / c / 1e9:10.2f}")
+            cached[isa, name].append((time.perf_counter() - t0) / COPIES)
+    print(f"products of {args.rows} row(s) with a [{OUT}, {IN}] weight, {args.threads} threads, "
+          f"medians of {args.rounds} rounds")
+    print(f"{'loops':7}{'type':6} {'bits/weight':>11} {'streamed µs':>12} {'GB/s':>6} {'in cache µs':>12} "
+          f"{'weights/ns':>10}")
+    for isa, name in cells:
+        s, c = statistics.median(streamed[isa, name]), statistics.median(cached[isa, name])
+        nbytes = weights[name][0].nbytes
+        print(f"{isa:7}{name:6} {8 * nbytes / (OUT * IN):11.2f} {s * 1e6:12.0f} {nbytes / s / 1e9:6.1f} "
+              f"{c * 1e6:12.0f} {args.rows * OUT * IN / c / 1e9:10.2f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ turn of the first K questions of every SpecBench file, in the target's chat temp
 
 - ``plain``: this runtime's plain decoding (the default: 4-bit blocks, fp32 arithmetic);
 - ``plain-fp32``: the same on the dequantised fp32 weights;
+- ``plain-avx2``: ``plain`` on the kernel's AVX2 loops, where the CPU has AVX-512 and ``plain`` runs its AVX-512 ones;
 - ``moa-tree``: the shipped MoA drafter's tree alone (depth 2, top-2, 4 nodes; no prompt lookup);
 - ``default``: the main job's decoding: prompt lookup and MoA chains, decided cycle by cycle by this host's
   measured costs (``moaspec.decoding.policy``);
@@ -57,6 +58,7 @@ from moaspec.decoding import GenerationConfig
 from moaspec.decoding.opening import stop_token_ids
 from moaspec.decoding.prefill import common_prefix
 from moaspec.decoding.tree import TreeShape
+from moaspec.models import block_kernel
 from moaspec.models.gguf_blocks import dense_products
 from moaspec.models.sources import default_gguf_path
 
@@ -100,13 +102,20 @@ def llama_cpp_runner(threads: int, context: int, lookup: int, stops: set[int], m
     return run
 
 
-def moaspec_runner(lm: Any, strategy: Any, stops: set[int], dense: bool = False) -> Run:
+def moaspec_runner(lm: Any, strategy: Any, stops: set[int], dense: bool = False, isa: str | None = None) -> Run:
     """Greedy decoding by this runtime with ``strategy`` (plain when it has no drafter), on the dequantised fp32
-    weights if ``dense``."""
+    weights if ``dense``, on the kernel's ``isa`` loops if given (the process's own otherwise)."""
 
     def run(prompt: list[int], max_new: int) -> tuple[list[int], float]:
-        with dense_products(lm.model) if dense else nullcontext():
-            result = strategy.run(lm, prompt, GenerationConfig(max_new_tokens=max_new))
+        own = block_kernel.instruction_set()
+        if isa is not None:
+            block_kernel.set_instruction_set(isa)
+        try:
+            with dense_products(lm.model) if dense else nullcontext():
+                result = strategy.run(lm, prompt, GenerationConfig(max_new_tokens=max_new))
+        finally:
+            if isa is not None and own is not None:
+                block_kernel.set_instruction_set(own)
         ids = [t for t in result.token_ids if t not in stops]
         return ids, result.total_s
 
@@ -134,6 +143,7 @@ def main() -> None:
     runners: dict[str, Callable[[], Run]] = {
         "plain": lambda: moaspec_runner(lm, decoding_strategy(lm, None), stops),
         "plain-fp32": lambda: moaspec_runner(lm, decoding_strategy(lm, None), stops, dense=True),
+        "plain-avx2": lambda: moaspec_runner(lm, decoding_strategy(lm, None), stops, isa="avx2"),
         "moa-tree": lambda: moaspec_runner(lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0), stops),
         "moa-tree-cost": lambda: moaspec_runner(
             lm, decoding_strategy(lm, drafter, tree=TreeShape(), lookup=0, by_cost=True), stops),

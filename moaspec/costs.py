@@ -27,6 +27,7 @@ import torch
 from moaspec.decoding.policy import MAX_NEW, Costs, Policy, default_draft_costs
 from moaspec.errors import MoaspecError
 from moaspec.fileio import atomic_write_text
+from moaspec.models import block_kernel
 
 if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
@@ -48,6 +49,7 @@ def machine_key(target: LoadedModel, drafter_path: str | Path | None, drafter: D
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.machine()}",
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "torch": torch.__version__,
+        "kernel": block_kernel.build_id(),  # another kernel build, or its AVX2 loops beside AVX-512 ones, costs otherwise
         "drafter": None, "drafter_bytes": None, "drafter_mtime_ns": None, "drafter_dtype": None,
     }
     if drafter_path is not None:

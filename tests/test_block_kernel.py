@@ -17,6 +17,38 @@ from moaspec.models.packed_linear import Linear
 needs_kernel = pytest.mark.skipif(block_kernel.cpu_supported() is not None, reason=str(block_kernel.cpu_supported()))
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request: pytest.FixtureRequest) -> object:
+    """Runs a test on each instruction set's loops that this CPU has (and restores the process's own after)."""
+    if request.param not in block_kernel.instruction_sets():
+        pytest.skip(f"this CPU has no {request.param} loops (AVX-512 needs F, BW, VL and DQ)")
+    before = block_kernel.instruction_set()
+    block_kernel.set_instruction_set(request.param)
+    yield request.param
+    block_kernel.set_instruction_set(before or "avx2")
+
+
+@needs_kernel
+def test_instruction_sets_are_chosen_by_name_and_a_missing_one_is_refused(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    module = block_kernel.kernel()
+    assert module is not None and "avx2" in block_kernel.instruction_sets()
+    own = block_kernel.instruction_set()
+    with pytest.raises(ValueError, match="not available here"):
+        block_kernel.set_instruction_set("avx1024")
+    try:
+        monkeypatch.setenv(block_kernel.ISA_VARIABLE, "avx2")
+        block_kernel._choose_instruction_set(module)
+        assert block_kernel.instruction_set() == "avx2"
+        monkeypatch.setenv(block_kernel.ISA_VARIABLE, "sse2")
+        block_kernel._choose_instruction_set(module)
+        assert block_kernel.instruction_set() == "avx2"  # kept, and said in one line
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "moaspec: MOASPEC_KERNEL_ISA=sse2 ignored: unknown instruction set 'sse2': avx2 or avx512"]
+    finally:
+        block_kernel.set_instruction_set(own or "avx2")
+
+
 def random_blocks(bits: int, out: int, inner: int, seed: int = 0) -> BlockWeights:
     """Blocks with every code value and scales/offsets as fp16 would store them (what GGUF files hold)."""
     g = torch.Generator().manual_seed(seed)
@@ -60,6 +92,7 @@ NEW_TYPES = ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("out", [1, 5, 64, 203])  # short groups of four rows, tasks of 64 rows and their remainders
+@pytest.mark.usefixtures("isa")
 def test_product_is_fp32_arithmetic_on_the_exact_weights(bits: int, out: int) -> None:
     check_product(random_blocks(bits, out, 96))
 
@@ -67,12 +100,14 @@ def test_product_is_fp32_arithmetic_on_the_exact_weights(bits: int, out: int) ->
 @needs_kernel
 @pytest.mark.parametrize("kind", NEW_TYPES)
 @pytest.mark.parametrize("out", [1, 5, 67])
+@pytest.mark.usefixtures("isa")
 def test_every_file_type_is_fp32_arithmetic_on_the_exact_weights(kind: str, out: int) -> None:
     check_product(file_blocks(kind, out, 512, seed=out))
 
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", *NEW_TYPES])
+@pytest.mark.usefixtures("isa")
 def test_the_kernel_rebuilds_every_weight_bit_for_bit(kind: str) -> None:
     """A product with the identity reads each weight back alone (every other term is a zero): a code decoded one
     bit off, or a scale applied to the wrong weights, shows here however small its effect on a product."""
@@ -94,12 +129,13 @@ def check_product(w: BlockWeights) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", *NEW_TYPES])
+@pytest.mark.usefixtures("isa")
 def test_a_rows_result_does_not_depend_on_how_many_rows_the_product_has(kind: str) -> None:
     """Bit for bit: a verification of k tokens must score each exactly as a one-token step does."""
     w = file_blocks(kind, 131, 256, seed=2)
     x = torch.randn(67, 256, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([block_kernel.product(x[i : i + 1].contiguous(), w) for i in range(len(x))])
-    for rows in (2, 3, 4, 5, 6, 16, 64, 67):
+    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 16, 64, 67):
         assert torch.equal(block_kernel.product(x[:rows].contiguous(), w), alone[:rows])
     with torch.inference_mode():  # and with torch's other thread count
         threads = torch.get_num_threads()
@@ -145,6 +181,7 @@ def test_legacy_parts_fuse_with_q8_0_exactly(kinds: list[str], bits: int) -> Non
 
 
 @needs_kernel
+@pytest.mark.usefixtures("isa")
 def test_q5_1_parts_beside_q8_0_are_fp32_arithmetic_on_the_exact_weights() -> None:
     fused = BlockWeights.stack([file_blocks("Q5_1", 67, 256, 1), file_blocks("Q8_0", 5, 256, 2)])
     check_product(fused)

@@ -134,9 +134,11 @@ def test_the_plan_copies_what_lookup_gets_right_drafts_where_it_pays_and_else_st
     assert speculation(cpu_costs(), lookup=0.1, drafter=0.3).plan(copied=8, drafter_most=8) == ("plain", 0)
     assert speculation(gpu_costs(), drafter=0.7).plan(copied=0, drafter_most=8)[0] == "drafter"
     assert speculation(cpu_costs(), drafter=0.7, sure=0.9).plan(copied=0, drafter_most=8)[0] == "drafter"
-    s = speculation(cpu_costs(), drafter=0.0)
+    s = speculation(cpu_costs(), drafter=0.0, sure=0.3)  # close to paying (0.97 of a plain step's rate)
     assert [s.plan(0, 8)[0] for _ in range(17)][-1] == "drafter"  # a look now and then: acceptance moves
     assert s.cycles["plain"] == 16 and s.cycles["drafter"] == 1
+    far = speculation(cpu_costs(), drafter=0.0, sure=0.1)  # 0.87 of it: a look would not pay for its catch-up
+    assert {far.plan(0, 8)[0] for _ in range(300)} == {"plain"}
 
 
 def test_while_drafting_sure_drafts_are_kept_and_unsure_ones_dropped() -> None:

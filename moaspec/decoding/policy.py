@@ -35,6 +35,9 @@ NGRAMS = 3  # lookup's acceptance is kept apart for copies that followed a match
 REQUEST_PRIOR = 4.0  # a request starts from what earlier ones saw, weighted as this many tries per cell
 EXPLORE_EVERY = 16  # cycles without the drafter before it is tried anyway, to see if its acceptance rose; each look
 EXPLORE_MOST = 256  # that does not win the drafter back doubles the wait, up to this
+EXPLORE_WITHIN = 0.9  # ... but only while its expected rate is within this of a plain step's: a look costs the
+# drafter's catch-up on every token since it last read (the prompt, the first time), which a drafter far from
+# paying does not win back (on a 2-core CPU with a 4-bit target it cost 4% of 128-token answers)
 EMA = 0.2  # weight of a new timing in the moving averages
 OUTLIER = 2.0  # one timing moves an estimate at most as if it were this many times above or below it
 
@@ -292,14 +295,15 @@ class Speculation:
             n, rate = best_extension(1.0, base, 1.0, accept, [c.verify_s(j + 2) - base for j in range(len(accept))])
             if n:
                 options.append(("lookup", n, rate))
+        m, drafter = 0, 0.0
         if self.has_drafter and drafter_most:
-            m, rate = self._drafter_prospect(min(drafter_most, MAX_CHAIN))
+            m, drafter = self._drafter_prospect(min(drafter_most, MAX_CHAIN))
             if m:
-                options.append(("drafter", m, rate))
+                options.append(("drafter", m, drafter))
         kind, n, _ = max(options, key=lambda o: o[2])
         if kind == "drafter":
             self.explore_after = EXPLORE_EVERY
-        elif kind == "plain" and self.has_drafter and drafter_most and self._explore():
+        elif kind == "plain" and drafter >= EXPLORE_WITHIN / base and self._explore():
             kind, n = "drafter", max(1, m)
         self.cycles[kind] += 1
         self._kind, self._proposed = kind, n if kind == "lookup" else 0

@@ -13,10 +13,12 @@
 // same in a product of 1 row or of 64, which lossless speculative decoding needs: a verification of k
 // tokens must score each token exactly as a step of plain decoding does.
 //
-// Two loops compute that same arithmetic. One row (a decoding step): weight rows 4 at a time, each
-// block decoded in registers and used at once, 4 independent accumulators. Several rows (a
-// verification): 4 weight rows decoded once into a small buffer that stays in L1, then 3 x 4 tiles of
+// Three loops compute that same arithmetic. One row (a decoding step): weight rows 4 at a time, each
+// block decoded in registers and used at once, 4 independent accumulators. Two to four rows (a short
+// verification): the same, each decoded block used by every activation row, 2 weight rows at a time.
+// More rows: 4 weight rows decoded once into a small buffer that stays in L1, then 3 x 4 tiles of
 // (activation row, weight row) accumulators read it, so the decoding is paid once for every row.
+// Where the CPU has AVX-512, block_kernel_avx512.cpp's 16-lane loops run instead (chosen at run time).
 // Threads split the weight rows through ATen's own pool (at::parallel_for), never torch's other work.
 // Both loops prefetch the next group's codes while they use this group's: without it a step's products
 // streamed Q4 and Q8 blocks from memory at half the speed they ran from cache (benchmarks/block_types.py).
@@ -25,19 +27,20 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
+#include <string>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "block_kernel.h"
+#include "block_layouts.h"
 
 namespace moaspec {
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kRowsAtOnce = 4;    // weight rows decoded together
-constexpr int64_t kActTile = 3;       // activation rows per tile of the several-row loop
+constexpr int64_t kActTile = 3;  // activation rows per tile of the several-row loop
 
 // Every layout but the 8-bit ones first gathers a block's 32 codes into the bytes of one vector, with a few
 // byte-wide shifts and masks for all 32 at once; only the widening below works lane by lane.
@@ -57,13 +60,6 @@ inline void widen_codes(__m256i codes, __m256 d0, __m256 m0, __m256 d1, __m256 m
 }
 
 inline void widen_codes(__m256i codes, __m256 d, __m256 m, __m256 w[4]) { widen_codes(codes, d, m, d, m, w); }
-
-// 32 bytes from q, each shifted right by `shift` and masked to `mask` (a byte-wide mask: the 16-bit shift's
-// spill from the next byte is masked away).
-inline __m256i bits_of(const uint8_t* q, int shift, int mask) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(static_cast<char>(mask)));
-}
 
 // Byte i: 16 where bit i of `bits` is set, else 0 (Q5_0/Q5_1's fifth bits of 16 elements).
 inline __m128i fifth_bits(uint32_t bits) {
@@ -86,70 +82,30 @@ inline void small_codes(const uint8_t* q, uint32_t high, __m256 d, __m256 m, __m
     widen_codes(lo, hi, d, m, d, m, w);
 }
 
-// The 32 weights of one block as four 8-lane vectors: exactly fma(q, d, m) for 4-bit codes, d*q for 8-bit ones.
-template <int Bits>
-inline void decode_block(const uint8_t* q, float d, float m, __m256 w[4]) {
-    const __m256 vd = _mm256_set1_ps(d);
-    if constexpr (Bits == 4) {  // ggml's order: low nibbles are elements 0..15, high nibbles 16..31
-        small_codes<false>(q, 0, vd, _mm256_set1_ps(m), w);
-    } else {  // signed 8-bit codes, in order
-        for (int j = 0; j < 4; ++j) {
-            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
-            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd);
-        }
+// Signed 8-bit codes in order as four 8-lane vectors of d*q, or fma(q, d, m) where `Offset`.
+template <bool Offset>
+inline void byte_codes(const uint8_t* q, __m256 d, __m256 m, __m256 w[4]) {
+    for (int j = 0; j < 4; ++j) {
+        const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
+        w[j] = Offset ? _mm256_fmadd_ps(c, d, m) : _mm256_mul_ps(c, d);
     }
 }
 
-// Asks for every 64-byte cache line of [p, p + bytes) ahead of its use.
-inline void prefetch(const uint8_t* p, int64_t bytes) {
-    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
-    for (uintptr_t at = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; at < end; at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
-}
-
-template <int Bits>
-constexpr int64_t block_bytes() { return Bits == 4 ? kBlock / 2 : kBlock; }
-
-// n fp16 values widened to fp32 (exactly), 8 at a time: the scales and offsets of a few weight rows, once, so
-// that the block loops broadcast fp32 values instead of converting one half per block.
-template <int Bits>
-void widen(const uint16_t* d, const uint16_t* m, int64_t n, float* df, float* mf) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        _mm256_storeu_ps(df + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + i))));
-        if constexpr (Bits == 4)
-            _mm256_storeu_ps(mf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + i))));
-    }
-    for (; i < n; ++i) {
-        df[i] = _cvtsh_ss(d[i]);
-        if constexpr (Bits == 4) mf[i] = _cvtsh_ss(m[i]);
-    }
-}
-
-// How each layout (BlockView::bits) lays out a row and decodes its blocks of 32. `widen` turns a row's stored
-// scales into fp32 (scale, offset) pairs, kSlots per block of 32 (Q6_K scales every 16 weights); `decode` rebuilds
-// block b's 32 weights from them, exactly as GGUF dequantises them (ggml's dequantize_row_* functions).
-template <int Bits>
-struct Layout {  // Q4_0/Q4_1 (4) and Q8_0 (8): fp16 scale and offset per block, read as they are
-    static constexpr int64_t kSlots = 1;
-    static constexpr int64_t kPerScale = 1;  // blocks of 32 per stored scale
-    static constexpr int64_t row_bytes(int64_t blocks) { return blocks * block_bytes<Bits>(); }
-    static void widen_row(const uint8_t*, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df, float* mf) {
-        widen<Bits>(d, m, blocks, df, mf);
-    }
+// Each layout's AVX2 decoder: block b's 32 weights, exactly, as four 8-lane vectors (block_layouts.h's Geometry
+// says where its codes and fp32 scales are).
+template <int Kind>
+struct Layout : Geometry<Kind> {  // Q4_0/Q4_1 (4): fma(q, d, m); Q8_0 (8): d*q
     static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
-        decode_block<Bits>(row + b * block_bytes<Bits>(), df[b], mf[b], w);
+        const uint8_t* q = row + b * block_bytes<Kind>();
+        if constexpr (Kind == 4)
+            small_codes<false>(q, 0, _mm256_set1_ps(df[b]), _mm256_set1_ps(mf[b]), w);
+        else
+            byte_codes<false>(q, _mm256_set1_ps(df[b]), _mm256_setzero_ps(), w);
     }
 };
 
 template <>
-struct Layout<kQ5> {  // Q5_0/Q5_1: per block 4 bytes of fifth bits (bit i: element i), then 16 as Q4's
-    static constexpr int64_t kSlots = 1;
-    static constexpr int64_t kPerScale = 1;
-    static constexpr int64_t row_bytes(int64_t blocks) { return blocks * 20; }
-    static void widen_row(const uint8_t*, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df, float* mf) {
-        widen<4>(d, m, blocks, df, mf);
-    }
+struct Layout<kQ5> : Geometry<kQ5> {
     static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
         const uint8_t* q = row + b * 20;
         uint32_t high;
@@ -159,63 +115,20 @@ struct Layout<kQ5> {  // Q5_0/Q5_1: per block 4 bytes of fifth bits (bit i: elem
 };
 
 template <>
-struct Layout<kQ8M> {  // signed 8-bit codes with an fp16 offset per block: fma(q, d, m), exact as for 4-bit codes
-    static constexpr int64_t kSlots = 1;
-    static constexpr int64_t kPerScale = 1;
-    static constexpr int64_t row_bytes(int64_t blocks) { return blocks * kBlock; }
-    static void widen_row(const uint8_t*, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df, float* mf) {
-        widen<4>(d, m, blocks, df, mf);
-    }
+struct Layout<kQ8M> : Geometry<kQ8M> {
     static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
-        const uint8_t* q = row + b * kBlock;
-        const __m256 vd = _mm256_set1_ps(df[b]), vm = _mm256_set1_ps(mf[b]);
-        for (int j = 0; j < 4; ++j) {
-            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
-            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vd, vm);
-        }
+        byte_codes<true>(row + b * kBlock, _mm256_set1_ps(df[b]), _mm256_set1_ps(mf[b]), w);
     }
 };
 
-// Q4_K/Q5_K's 12 bytes of eight 6-bit scales and minima (ggml's get_scale_min_k4).
-inline void k_scales(const uint8_t* s, int j, int& scale, int& min) {
-    if (j < 4) {
-        scale = s[j] & 63;
-        min = s[j + 4] & 63;
-    } else {
-        scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 template <int Bits>
-struct KLayout {  // Q4_K (4) and Q5_K (5): super-blocks of 256 whose fp16 d and dmin are the scales and offsets;
-    // per super-block, the codes hold the 12 scale bytes, Q5_K's 32 bytes of fifth bits, then 128 of nibbles.
-    // Block j of 8 has weights d*sc_j*q - dmin*m_j: d*sc_j and dmin*m_j are exact in fp32 (17 bits), so is d*sc_j*q
-    // (at most 22), and the one rounding, fma(q, d*sc_j, -dmin*m_j), is that of ggml's d*sc_j*q - dmin*m_j.
-    static constexpr int64_t kSlots = 1;
-    static constexpr int64_t kPerScale = 8;
-    static constexpr int64_t kHigh = Bits == 5 ? 32 : 0;
-    static constexpr int64_t kSuper = 12 + kHigh + 128;
-    static constexpr int64_t row_bytes(int64_t blocks) { return blocks / 8 * kSuper; }
-    static void widen_row(const uint8_t* row, const uint16_t* d, const uint16_t* m, int64_t blocks, float* df,
-                          float* mf) {
-        for (int64_t s = 0; s < blocks / 8; ++s) {
-            const float ds = _cvtsh_ss(d[s]), ms = _cvtsh_ss(m[s]);
-            for (int j = 0; j < 8; ++j) {
-                int scale, min;
-                k_scales(row + s * kSuper, j, scale, min);
-                df[8 * s + j] = ds * static_cast<float>(scale);
-                mf[8 * s + j] = -(ms * static_cast<float>(min));
-            }
-        }
-    }
+struct KLayout : Geometry<Bits == 4 ? kQ4K : kQ5K> {
+    using G = Geometry<Bits == 4 ? kQ4K : kQ5K>;
     static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
         const int j = static_cast<int>(b % 8);
-        const uint8_t* super = row + b / 8 * kSuper;
-        const uint8_t* nibbles = super + 12 + kHigh + 32 * (j / 2);  // blocks 2i and 2i+1 share 32 bytes
-        __m256i code = bits_of(nibbles, 4 * (j & 1), 0x0F);
+        __m256i code = bits_of(G::nibbles(row, b), 4 * (j & 1), 0x0F);
         if constexpr (Bits == 5)  // bit j of high byte l is block j's element l
-            code = _mm256_or_si256(code, _mm256_slli_epi16(bits_of(super + 12, j, 1), 4));
+            code = _mm256_or_si256(code, _mm256_slli_epi16(bits_of(G::fifth_bits(row, b), j, 1), 4));
         widen_codes(code, _mm256_set1_ps(df[b]), _mm256_set1_ps(mf[b]), w);
     }
 };
@@ -226,35 +139,9 @@ template <>
 struct Layout<kQ5K> : KLayout<5> {};
 
 template <>
-struct Layout<kQ6K> {  // super-blocks of 256 whose fp16 d is the scale (offsets unused): per super-block the codes
-    // hold 128 bytes of low nibbles, 64 of 2-bit high parts, then 16 signed 8-bit scales, one per 16 weights.
-    // Weight = d*sc*(q - 32): d*sc is exact in fp32 (18 bits), so is its product with q - 32 (at most 23), and
-    // fma(q, d*sc, -32*d*sc) rounds that exact value to itself.
-    static constexpr int64_t kSlots = 2;
-    static constexpr int64_t kPerScale = 8;
-    static constexpr int64_t kSuper = 208;
-    static constexpr int64_t row_bytes(int64_t blocks) { return blocks / 8 * kSuper; }
-    static void widen_row(const uint8_t* row, const uint16_t* d, const uint16_t*, int64_t blocks, float* df,
-                          float* mf) {
-        for (int64_t s = 0; s < blocks / 8; ++s) {
-            const float ds = _cvtsh_ss(d[s]);
-            const int8_t* sc = reinterpret_cast<const int8_t*>(row + s * kSuper + 192);
-            for (int i = 0; i < 16; ++i) {  // block b of the super-block: scales 2b and 2b+1 (see decode)
-                const int h = i / 8, j = (i % 8) / 2, t = i % 2;  // half, block of the half, which 16
-                const float v = ds * static_cast<float>(sc[8 * h + 2 * j + t]);
-                df[16 * s + i] = v;
-                mf[16 * s + i] = -32.0f * v;
-            }
-        }
-    }
+struct Layout<kQ6K> : Geometry<kQ6K> {
     static void decode(const uint8_t* row, int64_t b, const float* df, const float* mf, __m256 w[4]) {
-        const int h = static_cast<int>(b % 8) / 4, j = static_cast<int>(b % 4);  // half of 128, block of 32 in it
-        const uint8_t* super = row + b / 8 * kSuper;
-        const uint8_t* low = super + 64 * h + 32 * (j & 1);  // element l of block j: nibble j/2 of low[l]
-        const uint8_t* high = super + 128 + 32 * h;          // and bits 2j, 2j+1 of high[l]
-        const __m256i code = _mm256_or_si256(bits_of(low, 4 * (j >> 1), 0x0F),
-                                             _mm256_slli_epi16(bits_of(high, 2 * j, 3), 4));
-        widen_codes(code, _mm256_set1_ps(df[2 * b]), _mm256_set1_ps(mf[2 * b]), _mm256_set1_ps(df[2 * b + 1]),
+        widen_codes(codes(row, b), _mm256_set1_ps(df[2 * b]), _mm256_set1_ps(mf[2 * b]), _mm256_set1_ps(df[2 * b + 1]),
                     _mm256_set1_ps(mf[2 * b + 1]), w);
     }
 };
@@ -313,13 +200,51 @@ void one_row(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t
     }
 }
 
+// y[:, n0:n1] for T = 2..4 activation rows (a short verification's): as one_row, each block decoded in registers and
+// used at once by every activation row, R weight rows at a time, with no buffer to write and read back. Each output
+// is one_row's accumulator, in its order.
+template <int Kind, int T, int R>
+void few_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+    using L = Layout<Kind>;
+    const int64_t blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    const int64_t slots = blocks * L::kSlots;
+    std::vector<float> widened(2 * R * slots, 0.0f);
+    float* d0 = widened.data();
+    float* m0 = d0 + R * slots;
+    const int64_t group = R * qrow, stride = group / blocks;
+    for (int64_t n = n0; n < n1; n += R) {
+        const int64_t rows = std::min<int64_t>(R, n1 - n);  // a short group decodes its first row again, unused
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t row = n + (r < rows ? r : 0);
+            L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, d0 + r * slots, m0 + r * slots);
+        }
+        __m256 acc[T][R];
+        for (int t = 0; t < T; ++t)
+            for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+        const uint8_t* ahead = q + n * qrow + (n + 2 * R <= n1 ? group : 0);
+        for (int64_t b = 0; b < blocks; ++b) {
+            prefetch(ahead + b * stride, stride);
+            for (int r = 0; r < R; ++r) {
+                __m256 w[4];
+                L::decode(q + (n + (r < rows ? r : 0)) * qrow, b, d0 + r * slots, m0 + r * slots, w);
+                for (int t = 0; t < T; ++t)
+                    for (int j = 0; j < 4; ++j)
+                        acc[t][r] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * K + b * kBlock + 8 * j), acc[t][r]);
+            }
+        }
+        for (int t = 0; t < T; ++t)
+            for (int64_t r = 0; r < rows; ++r) y[t * N + n + r] = reduce(acc[t][r]);
+    }
+}
+
 // y[:, n0:n1] for M activation rows: weight rows decoded in fours into `buf` (4 x K floats), then tiles of
 // kActTile activation rows x 4 weight rows, each (row, weight row) one accumulator as in one_row.
 template <int Kind>
 void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16_t* m, float* y,
                int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
     using L = Layout<Kind>;
-    const int64_t blocks = K / kBlock, qrow = L::row_bytes(blocks), srow = blocks / L::kPerScale;
+    const int64_t blocks = K / kBlock;
     std::vector<float> storage(kRowsAtOnce * K + 16), widened(2 * blocks * L::kSlots, 0.0f);
     float* buf = storage.data();
     float* df = widened.data();
@@ -327,16 +252,12 @@ void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16
     for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
         const int64_t rows = std::min(kRowsAtOnce, n1 - n);
         const int64_t later = std::min(kRowsAtOnce, n1 - n - rows);  // the next group's rows, fetched meanwhile
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t row = n + r;
-            if (r < later) prefetch(q + (row + kRowsAtOnce) * qrow, qrow);
-            L::widen_row(q + row * qrow, d + row * srow, m + row * srow, blocks, df, mf);
-            for (int64_t b = 0; b < blocks; ++b) {
-                __m256 w[4];
-                L::decode(q + row * qrow, b, df, mf, w);
-                for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + r * K + b * kBlock + 8 * j, w[j]);
-            }
-        }
+        decode_rows<L>(q, d, m, n, rows, later, K, buf, df, mf,
+                       [](const uint8_t* row, int64_t b, const float* dr, const float* mr, float* out) {
+                           __m256 w[4];
+                           L::decode(row, b, dr, mr, w);
+                           for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 8 * j, w[j]);
+                       });
         const float* w0 = buf;
         const float* w1 = buf + (rows > 1 ? 1 : 0) * K;  // short groups read row 0 again; their sums are dropped
         const float* w2 = buf + (rows > 2 ? 2 : 0) * K;
@@ -383,29 +304,49 @@ void many_rows(const float* x, const uint8_t* q, const uint16_t* d, const uint16
 // Weight rows per task: a multiple of kRowsAtOnce, so that tasks never split a group of four.
 constexpr int64_t kGrain = 64;
 
+// p rounded up to a 64-byte boundary (within 16 floats of it): a 16-lane load there never spans two cache lines,
+// which costs Zen 4 about a second load.
+inline float* aligned(float* p) {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 template <int Kind>
-void product_into(const float* x, int64_t M, const BlockView& w, float* y) {
+void product_into(const float* x, int64_t M, const BlockView& w, float* y, bool wide) {
     const int64_t K = w.cols, N = w.rows;
     at::parallel_for(0, (N + kGrain - 1) / kGrain, 1, [&](int64_t t0, int64_t t1) {
         const int64_t n0 = t0 * kGrain, n1 = std::min(N, t1 * kGrain);
-        if (M == 1)
+        if (wide) {
+            std::vector<float> scratch(avx512_scratch(K) + 16);
+            block_rows_avx512(x, M, w, y, n0, n1, aligned(scratch.data()));
+        } else if (M == 1) {
             one_row<Kind>(x, w.codes, w.scales, w.offsets, y, K, n0, n1);
-        else
+        } else if (M == 2) {
+            few_rows<Kind, 2, 2>(x, w.codes, w.scales, w.offsets, y, K, N, n0, n1);
+        } else if (M == 3) {
+            few_rows<Kind, 3, 2>(x, w.codes, w.scales, w.offsets, y, K, N, n0, n1);
+        } else if (M == 4) {
+            few_rows<Kind, 4, 2>(x, w.codes, w.scales, w.offsets, y, K, N, n0, n1);
+        } else {
             many_rows<Kind>(x, w.codes, w.scales, w.offsets, y, M, K, N, n0, n1);
+        }
     });
 }
+
+// Which loops run: the AVX-512 ones wherever the CPU has them, unless set_instruction_set chose AVX2.
+std::atomic<bool> use_avx512{avx512_supported()};
 
 }  // namespace
 
 void block_product(const float* x, int64_t M, const BlockView& w, float* y) {
+    const bool wide = use_avx512.load(std::memory_order_relaxed);
     switch (w.bits) {
-        case 4: product_into<4>(x, M, w, y); break;
-        case kQ5: product_into<kQ5>(x, M, w, y); break;
-        case kQ4K: product_into<kQ4K>(x, M, w, y); break;
-        case kQ5K: product_into<kQ5K>(x, M, w, y); break;
-        case kQ6K: product_into<kQ6K>(x, M, w, y); break;
-        case kQ8M: product_into<kQ8M>(x, M, w, y); break;
-        default: product_into<8>(x, M, w, y);
+        case 4: product_into<4>(x, M, w, y, wide); break;
+        case kQ5: product_into<kQ5>(x, M, w, y, wide); break;
+        case kQ4K: product_into<kQ4K>(x, M, w, y, wide); break;
+        case kQ5K: product_into<kQ5K>(x, M, w, y, wide); break;
+        case kQ6K: product_into<kQ6K>(x, M, w, y, wide); break;
+        case kQ8M: product_into<kQ8M>(x, M, w, y, wide); break;
+        default: product_into<8>(x, M, w, y, wide);
     }
 }
 
@@ -465,8 +406,20 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& q, const torc
 
 }  // namespace
 
+// "avx2" or "avx512": the loops every product of this process runs from now on.
+void set_instruction_set(const std::string& name) {
+    TORCH_CHECK(name == "avx2" || name == "avx512", "unknown instruction set '", name, "': avx2 or avx512");
+    TORCH_CHECK(name == "avx2" || moaspec::avx512_supported(), "this CPU (or this build) has no AVX-512 loops");
+    moaspec::use_avx512 = name == "avx512";
+}
+
+std::string instruction_set() { return moaspec::use_avx512 ? "avx512" : "avx2"; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     module.def("product", &product, "y = x @ W.T for block-quantised W in layout `bits` (fp32 arithmetic)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+    module.def("set_instruction_set", &set_instruction_set, "Run every later product on 'avx2' or 'avx512' loops");
+    module.def("instruction_set", &instruction_set, "The loops products run on: 'avx2' or 'avx512'");
+    module.def("avx512_supported", &moaspec::avx512_supported, "Whether this CPU and build can run the AVX-512 loops");
     moaspec::register_layers(module);
 }

@@ -35,6 +35,12 @@ BlockView block_view(const torch::Tensor& codes, const torch::Tensor& scales, co
 // independent of M and of the thread count.
 void block_product(const float* x, int64_t M, const BlockView& w, float* y);
 
+// block_kernel_avx512.cpp: whether this CPU (and this build) runs its 16-lane loops, and y[:, n0:n1] of
+// block_product by them, with `scratch` holding avx512_scratch(w.cols) floats.
+bool avx512_supported();
+void block_rows_avx512(const float* x, int64_t M, const BlockView& w, float* y, int64_t n0, int64_t n1, float* scratch);
+inline int64_t avx512_scratch(int64_t cols) { return 4 * cols + cols / 2 + 64; }
+
 // The fixed reduction of an 8-lane accumulator: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
 inline float reduce(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

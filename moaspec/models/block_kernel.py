@@ -10,7 +10,9 @@ dequantise whole matrices per call, torch's int4 kernel wants bf16 activations.
 The extension is compiled on first use with torch's own C++ extension tooling (ninja and the
 system's C++ compiler) into the cache (``~/.cache/moaspec/kernels/<name with the sources' digest>``) and
 reused from there. Where it cannot be (no compiler, a CPU without AVX2, FMA or F16C), :func:`kernel` says
-why in one line and GGUF targets run on their dequantised fp32 weights as before.
+why in one line and GGUF targets run on their dequantised fp32 weights as before. Where the CPU has AVX-512
+(F, BW, VL, DQ), products run on 16-lane loops (``block_kernel_avx512.cpp``), chosen at run time, so one build
+serves every x86 CPU; ``$MOASPEC_KERNEL_ISA=avx2`` keeps such a CPU on the AVX2 loops.
 
 How the build survives faults:
 
@@ -47,8 +49,9 @@ from filelock import FileLock, Timeout
 from moaspec.errors import brief
 from moaspec.models.sources import cache_root
 
-SOURCES = [Path(__file__).with_name(n) for n in ("block_kernel.cpp", "decode_layers.cpp")]
-HEADER = Path(__file__).with_name("block_kernel.h")
+SOURCES = [Path(__file__).with_name(n) for n in ("block_kernel.cpp", "block_kernel_avx512.cpp", "decode_layers.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("block_kernel.h", "block_layouts.h")]
+ISA_VARIABLE = "MOASPEC_KERNEL_ISA"  # "avx2" keeps a CPU with AVX-512 on the AVX2 loops
 BLOCK = 32  # weights per block along the input dimension
 BUILD_WAIT_S = 600.0  # longest wait for another process's build (one takes about a minute, several on a busy CPU)
 COMPILER_ERROR = re.compile(r"(fatal )?error( C\d+)?:", re.IGNORECASE)  # gcc's and clang's "error:", MSVC's "error C2065:"
@@ -243,7 +246,53 @@ def kernel() -> ModuleType | None:
             _why_not = f"it could not be loaded or built ({type(exc).__name__}: {brief(exc, 200) or 'no message'})"
     if _module is None:
         print(f"moaspec: GGUF targets run on dequantised fp32 weights: {_why_not}", file=sys.stderr)
+    else:
+        _choose_instruction_set(_module)
     return _module
+
+
+def _choose_instruction_set(module: ModuleType) -> None:
+    """Apply ``$MOASPEC_KERNEL_ISA`` to a freshly loaded kernel; a value this CPU cannot run is said, in one line,
+    and left (the kernel keeps the best loops it has)."""
+    isa = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if isa and isa != module.instruction_set():
+        try:
+            module.set_instruction_set(isa)
+        except RuntimeError as exc:
+            print(f"moaspec: {ISA_VARIABLE}={isa} ignored: {brief(exc, 120)}", file=sys.stderr)
+
+
+def instruction_set() -> str | None:
+    """The loops block products run on in this process: ``"avx512"`` (16 lanes, wherever the CPU has AVX-512 F, BW,
+    VL and DQ) or ``"avx2"``; ``None`` before the kernel is loaded or where it cannot be. The two give the same
+    exact weights and differ only in the order of their fp32 sums, so a process keeps one (``$MOASPEC_KERNEL_ISA``
+    chooses AVX2 on an AVX-512 CPU) and measured costs are kept apart per instruction set."""
+    return None if _module is None else cast(str, _module.instruction_set())
+
+
+def build_id() -> str | None:
+    """What the loaded kernel is, for keys of measured costs: its build (the sources' digest) and the loops it runs
+    on; ``None`` before the kernel is loaded or where it cannot be. Another build or instruction set costs otherwise."""
+    return None if _module is None else f"{library_path().stem} {instruction_set()}"
+
+
+def instruction_sets() -> list[str]:
+    """The loops this CPU can run (``[]`` where the kernel cannot be had): tests and benchmarks run each."""
+    module = kernel()
+    if module is None:
+        return []
+    return ["avx2", "avx512"] if module.avx512_supported() else ["avx2"]
+
+
+def set_instruction_set(name: str) -> None:
+    """Run every later block product of this process on ``name``'s loops (``"avx2"`` or ``"avx512"``); raises
+    :class:`ValueError` for a name this CPU cannot run. Results of the two differ in the last bits, so switch only
+    between whole decodings (benchmarks, tests), never inside one."""
+    module = kernel()
+    if name not in instruction_sets():
+        raise ValueError(f"instruction set {name!r} is not available here (available: {instruction_sets()})")
+    assert module is not None
+    module.set_instruction_set(name)
 
 
 def compile_flags(platform: str = sys.platform, openmp: bool = True) -> tuple[list[str], list[str]]:
@@ -268,7 +317,7 @@ def library_path() -> Path:
     """Where this checkout's build lives: its name carries the sources', flags' and torch version's digest, so
     an edited kernel is never confused with an old build (and tests find this build among others')."""
     cflags, ldflags = _flags()
-    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    code = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(code + " ".join(cflags + ldflags).encode() + torch.__version__.encode()).hexdigest()[:12]
     name = f"moaspec_block_kernel_{digest}"
     return cache_root() / "kernels" / name / f"{name}{LIBRARY_SUFFIX}"
