@@ -271,9 +271,10 @@ def instruction_set() -> str | None:
 
 
 def build_id() -> str | None:
-    """What the loaded kernel is, for keys of measured costs: its build (the sources' digest) and the loops it runs
-    on; ``None`` before the kernel is loaded or where it cannot be. Another build or instruction set costs otherwise."""
-    return None if _module is None else f"{library_path().stem} {instruction_set()}"
+    """What the loaded kernel is, for keys of measured costs: its build (its module name carries the sources'
+    digest) and the loops it runs on; ``None`` before the kernel is loaded or where it cannot be. Another build or
+    instruction set costs otherwise."""
+    return None if _module is None else f"{_module.__name__} {instruction_set()}"
 
 
 def instruction_sets() -> list[str]:
