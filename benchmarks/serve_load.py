@@ -57,8 +57,10 @@ async def client_loop(client: openai.AsyncOpenAI, model: str, prompts: list[str]
                         "end": time.perf_counter()})
 
 
-async def run(url: str, model: str, prompts: list[str], clients: int, seconds: float, max_tokens: int,
-              server_pid: int | None) -> dict:
+async def load(url: str, model: str, prompts: list[str], clients: int, seconds: float, max_tokens: int,
+               server_pid: int | None) -> tuple[list[dict], list[str], list[float], float]:
+    """The raw run (also serve_peer.py's, which times each request its own way): ``clients`` streaming clients for
+    ``seconds``; returns the per-request records, the errors, the server's RSS samples and the wall time."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ.get("MOASPEC_API_KEY", "unused"),
                                 max_retries=0, timeout=600)
     records: list[dict] = []
@@ -72,9 +74,16 @@ async def run(url: str, model: str, prompts: list[str], clients: int, seconds: f
             memory.append(rss_mb(server_pid))
             await asyncio.sleep(2)
 
-    await asyncio.gather(sample_memory(), *(client_loop(client, model, prompts, k * 7, until, max_tokens, records, errors)
-                                             for k in range(clients)))
+    async with client:  # closed in this event loop: a caller may run another one after it
+        await asyncio.gather(sample_memory(), *(client_loop(client, model, prompts, k * 7, until, max_tokens, records,
+                                                            errors) for k in range(clients)))
     wall = time.perf_counter() - t0  # includes the requests still in flight at the deadline
+    return records, errors, memory, wall
+
+
+async def run(url: str, model: str, prompts: list[str], clients: int, seconds: float, max_tokens: int,
+              server_pid: int | None) -> dict:
+    records, errors, memory, wall = await load(url, model, prompts, clients, seconds, max_tokens, server_pid)
     lat = [r["latency_s"] for r in records]
     ttft = [r["ttft_s"] for r in records]
     tokens = sum(r["tokens"] for r in records)

@@ -85,6 +85,11 @@ class ForwardBatcher:
         assert job.out is not None
         return job.out
 
+    def crowded(self) -> bool:
+        """Whether forwards are being run together now: more are asked for than the lanes run side by side."""
+        with self._wake:
+            return self._crowded or bool(self._queue)
+
     def _free(self) -> None:
         with self._wake:
             self._running -= 1
@@ -126,6 +131,11 @@ class BatchedModel:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.model, name)
+
+    def crowded(self) -> bool:
+        """Whether this request's forwards now run together with other requests' (:meth:`ForwardBatcher.crowded`):
+        each token of a batch then costs what a plain step's does, so the decoding policy takes plain steps."""
+        return self.batcher.crowded()
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, logits_at: slice | torch.Tensor | None = None,

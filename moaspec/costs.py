@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +57,8 @@ def machine_key(target: LoadedModel, drafter_path: str | Path | None, drafter: D
         stat = weights.stat() if weights.exists() else None
         key.update(drafter=str(path), drafter_bytes=stat.st_size if stat else None,
                    drafter_mtime_ns=stat.st_mtime_ns if stat else None,
-                   drafter_dtype=None if drafter is None else drafter.precision)
+                   # "int8" is 8-bit blocks under fp32 activations or aten's int8 under bf16 ones: each costs its own
+                   drafter_dtype=None if drafter is None else f"{drafter.precision}/{drafter.weight_dtype}")
     return key
 
 
@@ -105,8 +105,13 @@ def load_costs(key: dict[str, Any]) -> Costs | None:
 
 @torch.inference_mode()
 def measure_target(model: Transformer, repeats: int = 3, context: int = 128) -> list[float]:
-    """Median seconds of a target forward with 1..:data:`~moaspec.decoding.policy.MAX_NEW` new tokens after
-    ``context`` cached ones (one untimed round first; the sizes alternate within each round, so noise hits all)."""
+    """The quickest of ``repeats`` timings of a target forward with 1..:data:`~moaspec.decoding.policy.MAX_NEW` new
+    tokens after ``context`` cached ones (one untimed round first; the sizes alternate within each round).
+
+    The quickest, not the median: the policy decides by the table's shape (what a verification of k tokens costs
+    against a plain step), while the current load sets its level (:attr:`~moaspec.decoding.policy.Costs.scale`),
+    and these timings are kept for later processes. A round slowed by something else on the host (the process's
+    own first forwards after loading, another program) must not bend that shape for good."""
     context = max(1, min(context, model.cfg.max_position_embeddings - MAX_NEW - 1))
     ids = (torch.arange(context + MAX_NEW, device=model.device) * 7919 + 13) % model.cfg.vocab_size
     cache = model.new_cache(context + MAX_NEW)
@@ -122,7 +127,7 @@ def measure_target(model: Transformer, repeats: int = 3, context: int = 128) -> 
             if r:
                 times[k - 1].append(time.perf_counter() - t)
             cache.truncate(context)
-    return [statistics.median(t) for t in times]
+    return [min(t) for t in times]
 
 
 def measured_costs(model: Transformer, repeats: int = 3) -> Costs:
@@ -154,7 +159,9 @@ def policy_for(target: LoadedModel, drafter_path: str | Path | None, drafter: Dr
 def _keeper(key: dict[str, Any], target: list[float]) -> Callable[[Costs], None]:
     """Write the drafter's refreshed costs back, at most every :data:`SAVE_EVERY_S` seconds (never failing a
     generation). The target's stay as measured (``target``): refreshed while decoding they follow the contexts
-    and the load of the moment, which the next process need not share; it refreshes its own copy as it decodes."""
+    and the load of the moment, which the next process need not share; it refreshes its own copy as it decodes.
+    The drafter's are saved in the same frame, divided by the target's current ``scale``: a host busy with other
+    work slows both alike, and a drafter saved at its loaded cost would look too dear to ever draft again."""
     last = [time.monotonic()]
 
     def keep(costs: Costs) -> None:
@@ -162,7 +169,8 @@ def _keeper(key: dict[str, Any], target: list[float]) -> Callable[[Costs], None]
             return
         last[0] = time.monotonic()
         try:
-            save_costs(key, Costs(target, costs.draft_first, costs.draft_next), "drafter refreshed while decoding")
+            save_costs(key, Costs(target, costs.draft_first / costs.scale, costs.draft_next / costs.scale),
+                       "drafter refreshed while decoding")
         except OSError:
             pass  # a read-only cache: the next process measures again
 

@@ -9,7 +9,7 @@ neither of those imports the other's way up.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,7 +84,8 @@ class Strategy:
         model, tok = target.model, target.tokenizer
         if self.policy is not None and self.tree is None:
             return self._by_cost(target, prompt_ids, config, on_text, on_piece, prefill, on_logprobs)
-        speculation = None if self.policy is None else self.policy.request(self.drafter is not None, config.sampling.seed)
+        speculation = None if self.policy is None else self.policy.request(self.drafter is not None, config.sampling.seed,
+                                                                           crowded(model))
         if self.drafter is None and not self.lookup:
             if on_piece is not None:
                 piece = on_piece
@@ -114,7 +115,7 @@ class Strategy:
         from moaspec.drafters.proposers import proposer_for
 
         assert self.policy is not None
-        speculation = self.policy.request(self.drafter is not None, config.sampling.seed)
+        speculation = self.policy.request(self.drafter is not None, config.sampling.seed, crowded(target.model))
         drafter: Any = proposer_for(self.drafter, self.confidence) if self.drafter is not None else None
         proposer = LookupProposer(target.model.cfg.vocab_size, drafter, drafter_len=self.chain, tree_lookup=self.lookup,
                                   min_ngram=self.lookup_min_ngram, speculation=speculation)
@@ -124,3 +125,9 @@ class Strategy:
                                   on_piece=on_piece, prefill=prefill, on_logprobs=on_logprobs)
         finally:
             self.policy.finished(speculation)
+
+
+def crowded(model: Any) -> Callable[[], bool] | None:
+    """What tells a request's policy that the target's forwards run in batches with other requests' (a server's
+    :class:`~moaspec.batching.BatchedModel`); None for a target that serves one request at a time."""
+    return getattr(model, "crowded", None)

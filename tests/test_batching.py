@@ -52,15 +52,18 @@ def test_forwards_run_alone_while_lanes_are_free_and_together_past_them() -> Non
     with ThreadPoolExecutor(5) as pool:
         first = [pool.submit(batcher.forward, call(k)) for k in (1, 2)]
         wait_for(lambda: len(model.log) == 2)  # both run at once, each on its own
+        assert not batcher.crowded()  # as many forwards as lanes: nothing waits, speculation may pay
         rest = [pool.submit(batcher.forward, call(k)) for k in (3, 4, 5)]
         wait_for(lambda: batcher._waiting == 3)  # no lane is free: they queue
+        assert batcher.crowded()
         assert model.log == [("alone", 1), ("alone", 2)]
         model.release.set()
         assert [f.result(10) for f in first + rest] == ["alone 1", "alone 2", "together 3", "together 4", "together 5"]
     assert model.log[2:] == [("together", [3, 4, 5])]
     assert (batcher.forwards, batcher.runs) == (5, 3)
-    assert batcher.forward(call(6)) == "together 6"  # after a crowded batch, the next one goes through the queue,
-    assert batcher.forward(call(7)) == "alone 7"  # and once a batch held one forward alone, forwards run at once again
+    assert batcher.crowded() and batcher.forward(call(6)) == "together 6"  # after a crowded batch, the next one goes
+    # through the queue, and once a batch held one forward alone, forwards run at once again
+    assert not batcher.crowded() and batcher.forward(call(7)) == "alone 7"
 
 
 def test_a_failed_batch_fails_its_callers_alone_and_the_batcher_serves_on() -> None:

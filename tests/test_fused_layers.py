@@ -92,6 +92,52 @@ def test_layer_outputs_asked_for_are_those_of_the_torch_path(target: Transformer
 
 
 @needs_kernel
+def test_many_sequences_in_one_forward_score_each_token_bitwise_as_its_own_forward_does(target: Transformer) -> None:
+    """A server's batch (``forward_many``): a chain, a single token and a draft tree, each after its own prefix, go
+    through the compiled layers as one forward, and every logit, final state and cache entry is its own forward's."""
+    from moaspec.models.transformer import Call
+
+    depths = [0, 1, 1, 2]  # a root, its two children, and a grandchild under the first
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    prefixes, news = [tokens(n, 30 + n) for n in (5, 17, 11)], [tokens(4, 40), tokens(1, 41), tokens(4, 42)]
+
+    def calls(caches: list) -> list[Call]:  # type: ignore[type-arg]
+        chain, one, tree = caches
+        return [Call(news[0], chain), Call(news[1], one, logits_at=slice(-1, None)),
+                Call(news[2], tree, tree.length + torch.tensor(depths),
+                     tree_mask(tree.length, ancestors))]
+
+    alone, together = [target.new_cache(32) for _ in prefixes], [target.new_cache(32) for _ in prefixes]
+    for p, a, b in zip(prefixes, alone, together):
+        target(p, a), target(p, b)
+    want = [target(c.tokens, c.cache, c.positions, c.mask, c.logits_at) for c in calls(alone)]
+    layers = target.fused
+    calls_made: list[int] = []
+
+    class Counting:  # the batch must go through the compiled layers, as one call
+        def __getattr__(self, name: str) -> object:
+            if name == "run_many":
+                calls_made.append(1)
+            return getattr(layers, name)
+
+    target.fused = Counting()
+    try:
+        got = target.forward_many(calls(together))
+    finally:
+        target.fused = layers
+    assert calls_made == [1]
+    for w, g, a, b in zip(want, got, alone, together):
+        assert g.start == w.start and b.length == a.length
+        assert torch.equal(g.logits, w.logits) and torch.equal(g.hidden, w.hidden)
+        assert torch.equal(b.keys[:, :, :, : b.length], a.keys[:, :, :, : a.length])
+        assert torch.equal(b.values[:, :, :, : b.length], a.values[:, :, :, : a.length])
+    x = torch.zeros(3, target.cfg.hidden_size)
+    cos = sin = torch.zeros(3, target.cfg.head_dim)
+    with pytest.raises(RuntimeError, match="rows add up"):
+        layers.run_many(x, [alone[0].keys], [alone[0].values], cos, sin, [0], [2], [None])
+
+
+@needs_kernel
 def test_the_compiled_layers_refuse_inputs_that_do_not_fit_with_a_clear_error(target: Transformer) -> None:
     cache = target.new_cache(8)
     cos = sin = torch.zeros(1, target.cfg.head_dim)

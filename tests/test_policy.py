@@ -141,6 +141,35 @@ def test_the_plan_copies_what_lookup_gets_right_drafts_where_it_pays_and_else_st
     assert {far.plan(0, 8)[0] for _ in range(300)} == {"plain"}
 
 
+def test_a_tree_is_grown_where_it_pays_and_looked_at_now_and_then_only_where_it_comes_close() -> None:
+    def trees(tokens: float, cycles: int = 300) -> set[bool]:
+        s = speculation(cpu_costs())
+        s.acceptance.tree_tokens, s.acceptance.tree_draft_s = tokens, 4 * MS
+        return {s.plan_tree(4) for _ in range(cycles)}
+
+    # a 4-node tree verifies in 11.4 + 7.5 ms and drafts in 4: it pays where it brings more than 2.0 tokens
+    assert trees(2.2, 5) == {True}
+    assert trees(1.95) == {True, False}  # 0.97 of a plain step's rate: tried now and then, acceptance moves
+    assert trees(1.5) == {False}  # 0.75 of it: a look would not pay for its drafting
+
+
+def test_while_the_target_runs_other_requests_forwards_too_every_cycle_is_a_plain_step() -> None:
+    """A busy server batches its requests' forwards: each token of a batch costs about what a plain step does, so
+    a sure copy and a sure drafter both give way, and they come back as soon as the batches end."""
+    busy = [True]
+    policy = Policy(gpu_costs())
+    s = policy.request(drafter=True, crowded=lambda: busy[0])
+    for row in s.acceptance.lookup:
+        for c in row:
+            c.hits, c.tries = 9.9, 10.0
+    s.acceptance.tree_tokens, s.acceptance.tree_draft_s = 3.0, 0.1 * MS
+    assert s.plan(copied=8, drafter_most=8) == ("plain", 0) and not s.plan_tree(4)
+    busy[0] = False
+    assert s.plan(copied=8, drafter_most=8) == ("lookup", 8) and s.plan_tree(4)
+    seeded = policy.request(drafter=True, seed=1, crowded=lambda: True)  # a seeded request's draws never depend on the load
+    assert seeded.crowded is None
+
+
 def test_while_drafting_sure_drafts_are_kept_and_unsure_ones_dropped() -> None:
     s = speculation(cpu_costs(), drafter=0.7, sure=0.9)
     assert s.plan(0, MAX_CHAIN) == ("drafter", pytest.approx(s.plan(0, MAX_CHAIN)[1]))

@@ -59,6 +59,23 @@ def test_costs_are_measured_at_first_use_kept_and_read_back_for_the_same_setting
         costs_module._policies.clear()
 
 
+def test_drafter_costs_are_saved_in_the_frame_of_the_targets_as_measured(tiny_llama, tiny_moa_dir, tuned_dir,  # type: ignore[no-untyped-def]
+                                                                          monkeypatch) -> None:
+    """A run on a busy host times the target and the drafter slower alike: the drafter's costs are saved divided by
+    the target's slowdown, so that the next process, on a quiet host, does not find the drafter too dear to use."""
+    from moaspec import costs as costs_module
+
+    key = machine_key(tiny_llama, tiny_moa_dir)
+    measured = [0.005 * (k + 1) for k in range(MAX_NEW)]
+    monkeypatch.setattr(costs_module, "SAVE_EVERY_S", 0.0)
+    keep = costs_module._keeper(key, measured)
+    busy = Costs(list(measured), 0.006, 0.003, scale=3.0)  # every timing three times the quiet one
+    keep(busy)
+    saved = load_costs(key)
+    assert saved is not None and saved.target == pytest.approx(measured)
+    assert (saved.draft_first, saved.draft_next) == pytest.approx((0.002, 0.001))
+
+
 def test_unreadable_saved_costs_are_a_clear_error(tiny_llama, tiny_moa_dir, tuned_dir) -> None:  # type: ignore[no-untyped-def]
     key = machine_key(tiny_llama, tiny_moa_dir)
     path = costs_file(key)

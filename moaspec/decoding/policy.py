@@ -254,9 +254,14 @@ class Speculation:
     reports each verification's time (:meth:`timed`) and the proposer what it kept (:meth:`outcome`).
     """
 
-    def __init__(self, costs: Costs, acceptance: Acceptance, drafter: bool, timing: bool = True) -> None:
+    def __init__(self, costs: Costs, acceptance: Acceptance, drafter: bool, timing: bool = True,
+                 crowded: Callable[[], bool] | None = None) -> None:
         self.costs = costs
         self.timing = timing  # False: decisions from the costs given alone, never from this run's timings
+        # whether the target's forwards are being run together with other requests' now (a busy server): each
+        # token of such a forward costs about what a plain step's does, so nothing drafted can pay, and every
+        # token drafted and rejected slows every request in the batch
+        self.crowded = crowded
         self.acceptance = acceptance
         self.has_drafter = drafter
         self.idle = 0  # cycles since the drafter last drafted
@@ -289,6 +294,8 @@ class Speculation:
         c = self.costs
         base = c.verify_s(1)
         options = [("plain", 0, 1.0 / base)]
+        if self.crowded is not None and self.crowded():
+            copied = drafter_most = 0
         if copied:
             self._row = min(matched, NGRAMS) - 1
             accept = [r.p for r in at(self.acceptance.lookup[self._row], 0, copied)]
@@ -364,16 +371,20 @@ class Speculation:
     def plan_tree(self, nodes: int) -> bool:
         """Whether a tree of ``nodes`` tokens (its root included) is expected to beat a plain step this cycle, from
         the tokens and drafting time of the trees seen so far (a tree's acceptance is its own: the rule keeps
-        moving averages, started from the requests before, and tries a tree now and then when plain steps won)."""
+        moving averages, started from the requests before, and tries a tree now and then when plain steps won,
+        as long as it is expected to come within :data:`EXPLORE_WITHIN` of them, as for chains)."""
         c, a = self.costs, self.acceptance
         if not a.tree_tokens:
             accept = [r.p for r in at(a.by_depth, 0, MAX_CHAIN)]
             a.tree_tokens = best_extension(1.0, 1.0, 1.0, accept, [0.0] * len(accept))[1]  # a chain's, as a floor
             a.tree_draft_s = c.draft_first + c.draft_next * 2
-        go = a.tree_tokens / (a.tree_draft_s + c.verify_s(nodes)) > 1.0 / c.verify_s(1)
+        rate, plain = a.tree_tokens / (a.tree_draft_s + c.verify_s(nodes)), 1.0 / c.verify_s(1)
+        if self.crowded is not None and self.crowded():
+            rate = 0.0
+        go = rate > plain
         if go:
             self.explore_after = EXPLORE_EVERY
-        go = go or self._explore()
+        go = go or (rate >= EXPLORE_WITHIN * plain and self._explore())
         self.idle = 0 if go else self.idle + 1
         self.cycles["tree" if go else "plain"] += 1
         return go
@@ -428,13 +439,14 @@ class Policy:
     def __post_init__(self) -> None:
         self.measured = self.costs.copy()  # as loaded or measured: what seeded requests decide by
 
-    def request(self, drafter: bool, seed: int | None = None) -> Speculation:
-        """One request's speculation. A seeded request must draw the same tokens every time it is made, and what is
-        drafted decides how much of the seeded stream each cycle uses: so it decides from the costs as measured and
-        from its own acceptance alone, never from timings or from the requests before it."""
+    def request(self, drafter: bool, seed: int | None = None, crowded: Callable[[], bool] | None = None) -> Speculation:
+        """One request's speculation; ``crowded`` says when the target's forwards run together with other requests'
+        (a server's batches): it then takes plain steps. A seeded request must draw the same tokens every time it
+        is made, and what is drafted decides how much of the seeded stream each cycle uses: so it decides from the
+        costs as measured and from its own acceptance alone, never from timings, the load, or the requests before it."""
         if seed is not None:
             return Speculation(self.measured.copy(), Acceptance(), drafter, timing=False)
-        return Speculation(self.costs, self.acceptance.copy(REQUEST_PRIOR), drafter)
+        return Speculation(self.costs, self.acceptance.copy(REQUEST_PRIOR), drafter, crowded=crowded)
 
     def finished(self, speculation: Speculation) -> None:
         self.acceptance.blend(speculation.acceptance)

@@ -225,47 +225,33 @@ public:
         TORCH_CHECK(!cross_, "a cross-attention layer runs through cross()");
         const int64_t L = static_cast<int64_t>(layers_.size());
         TORCH_CHECK(0 <= first && first <= last && last <= L, "blocks ", first, "..", last, " of ", L);
-        const int64_t T = check_input(x), S = start + T;
-        const int64_t capacity = check_cache(keys, values, first - cache_offset, last - cache_offset);
-        TORCH_CHECK(start >= 0 && S <= capacity, "no room in the cache");
-        const float* cosp = fp32_rows(cos, T, D_, "cos");
-        const float* sinp = fp32_rows(sin, T, D_, "sin");
-        const bool* allowed = nullptr;
-        if (mask.has_value()) {
-            check_tensor(*mask, torch::kBool, 2, "the mask");
-            TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 2 &&
-                        mask->size(0) == T && mask->size(1) == S, "the mask must be contiguous bool [tokens, cache + tokens]");
-            allowed = mask->data_ptr<bool>();
-        }
-        // the keys each token sees, in cache order: the same list whatever else is verified beside it
-        std::vector<std::vector<int64_t>> seen(T);
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t j = 0; j < S; ++j)
-                if (allowed ? allowed[t * S + j] : j <= start + t) seen[t].push_back(j);
+        const int64_t T = check_input(x);
+        std::vector<Sequence> seqs{sequence(keys, values, start, 0, T, mask, first - cache_offset, last - cache_offset)};
+        return blocks(x, seqs, fp32_rows(cos, T, D_, "cos"), fp32_rows(sin, T, D_, "sin"), first, last, cache_offset);
+    }
 
-        const int64_t q_dim = heads_ * D_, kv_dim = kv_heads_ * D_;
-        torch::Tensor h = x.contiguous().clone();
-        Scratch s(T, d_, width_, q_dim, inter_, x.options());
-        float* hp = h.data_ptr<float>();
-        for (int64_t b = first; b < last; ++b) {
-            const Layer& layer = layers_[b];
-            const int64_t c = b - cache_offset;
-            float* K = keys.data_ptr<float>() + c * kv_heads_ * capacity * D_;
-            float* V = values.data_ptr<float>() + c * kv_heads_ * capacity * D_;
-            project(layer, hp, T, s);
-            for (int64_t t = 0; t < T; ++t) {
-                const float* row = s.qkv + t * width_;
-                rotate_queries(row, cosp + t * D_, sinp + t * D_, s.rotated_q + t * q_dim);
-                for (int64_t g = 0; g < kv_heads_; ++g) {
-                    const int64_t at = (g * capacity + start + t) * D_;
-                    rope_head(row + q_dim + g * D_, cosp + t * D_, sinp + t * D_, K + at, D_);
-                    std::copy_n(row + q_dim + kv_dim + g * D_, D_, V + at);
-                }
-            }
-            attend(s, K, V, capacity, T, S, [&](int64_t t) { return std::make_pair(seen[t].data(), seen[t].size()); });
-            finish(layer, hp, T, s);
+    // Several sequences' new tokens through every block as one forward: x [T, d] holds sequence i's tokens in rows
+    // rows[0] + .. + rows[i-1] onward, rows[i] of them, after starts[i] cached positions of its own cache
+    // keys[i]/values[i] (as run()'s), with masks[i] as run()'s mask (none: causal). cos/sin: [T, head_dim]. Each
+    // product reads the weights once for every row, and each row's values are computed exactly as run() computes
+    // them for its sequence alone.
+    torch::Tensor run_many(const torch::Tensor& x, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                           const torch::Tensor& cos, const torch::Tensor& sin, std::vector<int64_t> starts,
+                           std::vector<int64_t> rows, std::vector<c10::optional<torch::Tensor>> masks) const {
+        TORCH_CHECK(!cross_, "a cross-attention layer runs through cross()");
+        const size_t n = keys.size();
+        TORCH_CHECK(n > 0 && values.size() == n && starts.size() == n && rows.size() == n && masks.size() == n,
+                    "one cache, start, row count and mask for each sequence");
+        const int64_t T = check_input(x), L = static_cast<int64_t>(layers_.size());
+        std::vector<Sequence> seqs;
+        int64_t row = 0;
+        for (size_t i = 0; i < n; ++i) {
+            TORCH_CHECK(rows[i] > 0, "every sequence has new tokens");
+            seqs.push_back(sequence(keys[i], values[i], starts[i], row, rows[i], masks[i], 0, L));
+            row += rows[i];
         }
-        return h;
+        TORCH_CHECK(row == T, "the sequences' rows add up to x's");
+        return blocks(x, seqs, fp32_rows(cos, T, D_, "cos"), fp32_rows(sin, T, D_, "sin"), 0, L, 0);
     }
 
     // The cross-attention layer on x [T, d]: each token's queries, rotated by cos/sin [T, head_dim], attend to
@@ -297,8 +283,8 @@ public:
         project(layer, hp, T, s);
         for (int64_t t = 0; t < T; ++t)
             rotate_queries(s.qkv + t * width_, cosp + t * D_, sinp + t * D_, s.rotated_q + t * q_dim);
-        attend(s, keys.data_ptr<float>(), values.data_ptr<float>(), capacity, T, n,
-               [&](int64_t) { return std::make_pair(all.data(), all.size()); });
+        const Visible memory{keys.data_ptr<float>(), values.data_ptr<float>(), capacity, all.data(), n};
+        attend(s, T, n, [&](int64_t) { return memory; });
         finish(layer, hp, T, s);
         return h;
     }
@@ -336,10 +322,18 @@ private:
         for (int64_t hd = 0; hd < heads_; ++hd) rope_head(row + hd * D_, cos, sin, out + hd * D_, D_);
     }
 
-    // Every (token, head)'s attention over the keys `visible(t)` lists, into s.attended.
-    template <typename Visible>
-    void attend(Scratch& s, const float* K, const float* V, int64_t capacity, int64_t T, int64_t S,
-                Visible visible) const {
+    // What a token attends to: a cache layer's keys and values (heads `capacity` rows apart) at the positions listed.
+    struct Visible {
+        const float* K;
+        const float* V;
+        int64_t capacity;
+        const int64_t* keys;
+        int64_t n;
+    };
+
+    // Every (token, head)'s attention over what `visible(t)` gives (at most S keys), into s.attended.
+    template <typename Source>
+    void attend(Scratch& s, int64_t T, int64_t S, Source visible) const {
         const int64_t q_dim = heads_ * D_, group = heads_ / kv_heads_;
         const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
         const int64_t grain = std::max<int64_t>(1, kAttentionGrainKeys / S);
@@ -347,11 +341,81 @@ private:
             std::vector<float> scores((S + 7) / 8 * 8);
             for (int64_t i = i0; i < i1; ++i) {
                 const int64_t t = i / heads_, hd = i % heads_, g = hd / group;
-                const auto [keys, n] = visible(t);
-                attend_one(s.rotated_q + t * q_dim + hd * D_, K + g * capacity * D_, V + g * capacity * D_, keys,
-                           static_cast<int64_t>(n), D_, scale, scores.data(), s.attended + t * q_dim + hd * D_);
+                const Visible v = visible(t);
+                attend_one(s.rotated_q + t * q_dim + hd * D_, v.K + g * v.capacity * D_, v.V + g * v.capacity * D_,
+                           v.keys, v.n, D_, scale, scores.data(), s.attended + t * q_dim + hd * D_);
             }
         });
+    }
+
+    // One sequence of a forward: its cache, where its new tokens go, its rows of x, and what each of them sees.
+    struct Sequence {
+        float* keys;  // cache layer 0's; layer c lies c * kv_heads * capacity * head_dim floats on
+        float* values;
+        int64_t capacity, start, first_row, rows;
+        std::vector<std::vector<int64_t>> seen;  // per new token: the cache positions it sees, in cache order
+    };
+
+    // A Sequence for `rows` new tokens from row `first_row` of x, after `start` cached positions of a cache that
+    // must hold layers c0..c1-1; mask as run()'s.
+    Sequence sequence(torch::Tensor& keys, torch::Tensor& values, int64_t start, int64_t first_row, int64_t rows,
+                      const c10::optional<torch::Tensor>& mask, int64_t c0, int64_t c1) const {
+        const int64_t capacity = check_cache(keys, values, c0, c1), S = start + rows;
+        TORCH_CHECK(start >= 0 && S <= capacity, "no room in the cache");
+        const bool* allowed = nullptr;
+        if (mask.has_value()) {
+            check_tensor(*mask, torch::kBool, 2, "the mask");
+            TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 2 &&
+                        mask->size(0) == rows && mask->size(1) == S,
+                        "the mask must be contiguous bool [tokens, cache + tokens]");
+            allowed = mask->data_ptr<bool>();
+        }
+        // the keys each token sees, in cache order: the same list whatever else is verified beside it
+        std::vector<std::vector<int64_t>> seen(rows);
+        for (int64_t t = 0; t < rows; ++t)
+            for (int64_t j = 0; j < S; ++j)
+                if (allowed ? allowed[t * S + j] : j <= start + t) seen[t].push_back(j);
+        return {keys.data_ptr<float>(), values.data_ptr<float>(), capacity, start, first_row, rows, std::move(seen)};
+    }
+
+    // Blocks first..last-1 on x, whose rows belong to `seqs` (in order), each writing its own cache.
+    torch::Tensor blocks(const torch::Tensor& x, const std::vector<Sequence>& seqs, const float* cosp, const float* sinp,
+                         int64_t first, int64_t last, int64_t cache_offset) const {
+        const int64_t T = x.size(0), q_dim = heads_ * D_, kv_dim = kv_heads_ * D_;
+        std::vector<const Sequence*> owner(T);
+        int64_t S = 1;
+        for (const Sequence& q : seqs) {
+            for (int64_t r = 0; r < q.rows; ++r) owner[q.first_row + r] = &q;
+            S = std::max(S, q.start + q.rows);
+        }
+        torch::Tensor h = x.contiguous().clone();
+        Scratch s(T, d_, width_, q_dim, inter_, x.options());
+        float* hp = h.data_ptr<float>();
+        for (int64_t b = first; b < last; ++b) {
+            const Layer& layer = layers_[b];
+            const int64_t layer_floats = (b - cache_offset) * kv_heads_ * D_;
+            project(layer, hp, T, s);
+            for (int64_t t = 0; t < T; ++t) {
+                const Sequence& q = *owner[t];
+                float* K = q.keys + layer_floats * q.capacity;
+                float* V = q.values + layer_floats * q.capacity;
+                const float* row = s.qkv + t * width_;
+                rotate_queries(row, cosp + t * D_, sinp + t * D_, s.rotated_q + t * q_dim);
+                for (int64_t g = 0; g < kv_heads_; ++g) {
+                    const int64_t at = (g * q.capacity + q.start + t - q.first_row) * D_;
+                    rope_head(row + q_dim + g * D_, cosp + t * D_, sinp + t * D_, K + at, D_);
+                    std::copy_n(row + q_dim + kv_dim + g * D_, D_, V + at);
+                }
+            }
+            attend(s, T, S, [&](int64_t t) {
+                const Sequence& q = *owner[t];
+                const std::vector<int64_t>& keys = q.seen[t - q.first_row];
+                return Visible{q.keys + layer_floats * q.capacity, q.values + layer_floats * q.capacity, q.capacity,
+                               keys.data(), static_cast<int64_t>(keys.size())};
+            });
+            finish(layer, hp, T, s);
+        }
+        return h;
     }
 
     // o, the residual, the MLP's norm, gate/up, SwiGLU, down and the residual again.
@@ -383,6 +447,8 @@ void register_layers(pybind11::module& module) {
         // without the GIL: a server's decoders, one thread each, run their forwards side by side
         .def("run", &Layers::run, "the blocks first..last-1 on x, writing the cache; see decode_layers.cpp",
              pybind11::call_guard<pybind11::gil_scoped_release>())
+        .def("run_many", &Layers::run_many, "several sequences' new tokens through every block as one forward; see "
+             "decode_layers.cpp", pybind11::call_guard<pybind11::gil_scoped_release>())
         .def("cross", &Layers::cross, "a cross-attention layer on x over the given keys and values; see decode_layers.cpp",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }

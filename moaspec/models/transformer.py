@@ -462,10 +462,19 @@ class Transformer(nn.Module):
             a = spans[-1][1] if spans else 0
             spans.append((a, a + T, start, mask))
             angles.append(pos)
-        cos, sin = self.rope(torch.cat(angles))
         h = self.embed(torch.cat([c.tokens for c in calls], dim=1))
-        for i, block in enumerate(cast(Sequence[Block], self.blocks)):
-            h = block.around(h, partial(_attend_each, block.attn, i, calls, spans, cos, sin))
+        if self.fused is not None and all(fused_applies(h[:, a:b], c.cache) for c, (a, b, *_) in zip(calls, spans)):
+            # the compiled layers, each row computed exactly as in a forward of its call alone
+            pos = torch.cat([p.reshape(-1) for p in angles])
+            h = self.fused.run_many(h[0], [c.cache.keys for c in calls], [c.cache.values for c in calls],
+                                    self.rope_cos[pos].contiguous(), self.rope_sin[pos].contiguous(),
+                                    [s[2] for s in spans], [s[1] - s[0] for s in spans],
+                                    [None if m is None else m.reshape(m.shape[-2], -1).contiguous()
+                                     for *_, m in spans])[None]
+        else:
+            cos, sin = self.rope(torch.cat(angles))
+            for i, block in enumerate(cast(Sequence[Block], self.blocks)):
+                h = block.around(h, partial(_attend_each, block.attn, i, calls, spans, cos, sin))
         hidden = self.final_norm(h)
         pieces = [hidden[:, a:b] for a, b, *_ in spans]
         selected = [p if c.logits_at is None else p[:, c.logits_at] for c, p in zip(calls, pieces)]
