@@ -294,7 +294,7 @@ class Speculation:
         c = self.costs
         base = c.verify_s(1)
         options = [("plain", 0, 1.0 / base)]
-        if self.crowded is not None and self.crowded():
+        if self._batched():
             copied = drafter_most = 0
         if copied:
             self._row = min(matched, NGRAMS) - 1
@@ -320,6 +320,10 @@ class Speculation:
             self._probabilities = []
             self._started = time.perf_counter()
         return kind, n
+
+    def _batched(self) -> bool:
+        """Whether this cycle's forward will run together with other requests' (then only a plain step pays)."""
+        return self.crowded is not None and self.crowded()
 
     def _explore(self) -> bool:
         """Whether to try the drafter although it is not expected to pay: its acceptance moves with the text, and
@@ -379,7 +383,7 @@ class Speculation:
             a.tree_tokens = best_extension(1.0, 1.0, 1.0, accept, [0.0] * len(accept))[1]  # a chain's, as a floor
             a.tree_draft_s = c.draft_first + c.draft_next * 2
         rate, plain = a.tree_tokens / (a.tree_draft_s + c.verify_s(nodes)), 1.0 / c.verify_s(1)
-        if self.crowded is not None and self.crowded():
+        if self._batched():
             rate = 0.0
         go = rate > plain
         if go:
