@@ -40,7 +40,7 @@ from moaspec.models.loading import LoadedModel
 from moaspec.strategy import Strategy
 
 Method = Callable[[Sequence[int], int], GenerationResult]
-KNOWN = ("vanilla", "default", "moa", "moa-chain", "moa-pld", "moa-chain-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
+KNOWN = ("vanilla", "default", "moa", "moa-cost", "moa-chain", "moa-pld", "moa-chain-pld", "pld", "eagle2", "independent", "hf", "hf-pld", "hf-assisted")
 
 
 @dataclass(frozen=True)
@@ -141,14 +141,15 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
     lookup on this runtime (``hf-pld`` is transformers' own); ``moa-pld`` grafts it onto
     MoA's trees, ``moa-chain-pld`` puts it in front of MoA's chains. ``default`` is what ``moaspec generate``
     does without options: lookup and MoA's chains decided cycle by cycle by cost (:mod:`moaspec.decoding.policy`),
-    with this host's measured costs.
+    with this host's measured costs. ``moa-cost`` is ``moa``'s trees under the same policy: a plain step wherever
+    the tree is not expected to pay, so that the tree is judged as the default's chains are.
     """
     unknown = [n for n in names if n not in KNOWN]
     if unknown:
         raise MoaspecError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN)}")
     methods: dict[str, Method] = {}
     moa = None
-    if {"moa", "moa-chain", "moa-pld", "moa-chain-pld", "default"} & set(names):
+    if {"moa", "moa-cost", "moa-chain", "moa-pld", "moa-chain-pld", "default"} & set(names):
         path = opts.moa_drafter or shipped_drafter(target)
         if path is None:
             raise MoaspecError(f"no MoA drafter for {target.path.name}: pass --drafter")
@@ -168,6 +169,8 @@ def build_methods(names: Sequence[str], target: LoadedModel, opts: MethodOptions
             methods[name] = ours(Strategy(moa, chain=MAX_CHAIN, lookup=MAX_NEW - 1, policy=policy_for(target, path, moa)))
         elif name == "moa":
             methods[name] = ours(Strategy(moa, tree=opts.tree))
+        elif name == "moa-cost":
+            methods[name] = ours(Strategy(moa, tree=opts.tree, policy=policy_for(target, path, moa)))
         elif name == "moa-chain":
             methods[name] = ours(Strategy(moa, chain=opts.chain, confidence=opts.confidence))
         elif name == "moa-pld":

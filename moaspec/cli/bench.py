@@ -11,7 +11,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     b = sub.add_parser("bench", help="compare decoding methods on SpecBench-format questions (tokens/s, speedup, tau, mismatches)")
     b.add_argument("--questions", required=True, help="a SpecBench-format .jsonl file or a directory of them")
     b.add_argument("--methods", default="vanilla,moa,hf",
-                   help="comma list from vanilla, moa, moa-chain, moa-pld, moa-chain-pld, pld, eagle2, independent, hf, hf-pld, hf-assisted")
+                   help="comma list from vanilla, default, moa, moa-cost, moa-chain, moa-pld, moa-chain-pld, pld, eagle2, independent, hf, hf-pld, hf-assisted")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--limit", type=int, default=None, help="the first K questions of each file")
     b.add_argument("--output", required=True, help="directory for answers.jsonl, summary.json and plots")
