@@ -84,7 +84,7 @@ class Strategy:
         model, tok = target.model, target.tokenizer
         if self.policy is not None and self.tree is None:
             return self._by_cost(target, prompt_ids, config, on_text, on_piece, prefill, on_logprobs)
-        speculation = None if self.policy is None else self.policy.request(self.drafter is not None, config.sampling.seed,
+        speculation = None if self.policy is None else self.policy.request(self.drafter is not None, _draws_seed(config),
                                                                            crowded(model))
         if self.drafter is None and not self.lookup:
             if on_piece is not None:
@@ -115,7 +115,7 @@ class Strategy:
         from moaspec.drafters.proposers import proposer_for
 
         assert self.policy is not None
-        speculation = self.policy.request(self.drafter is not None, config.sampling.seed, crowded(target.model))
+        speculation = self.policy.request(self.drafter is not None, _draws_seed(config), crowded(target.model))
         drafter: Any = proposer_for(self.drafter, self.confidence) if self.drafter is not None else None
         proposer = LookupProposer(target.model.cfg.vocab_size, drafter, drafter_len=self.chain, tree_lookup=self.lookup,
                                   min_ngram=self.lookup_min_ngram, speculation=speculation)
@@ -131,3 +131,10 @@ def crowded(model: Any) -> Callable[[], bool] | None:
     """What tells a request's policy that the target's forwards run in batches with other requests' (a server's
     :class:`~moaspec.batching.BatchedModel`); None for a target that serves one request at a time."""
     return getattr(model, "crowded", None)
+
+
+def _draws_seed(config: GenerationConfig) -> int | None:
+    """The seed a request's policy must keep reproducible: a sampled request's. A greedy answer is the same
+    whatever is drafted, so a seed given with it (a benchmark's, or a client's with temperature 0) must not hold
+    the policy to its measured costs and a fresh acceptance, which drafts worse than learning as it goes."""
+    return None if config.sampling.greedy else config.sampling.seed

@@ -230,3 +230,20 @@ def test_greedy_output_by_cost_is_plain_decodings(tiny_llama, tiny_moa_dir, cost
         assert chains.run(tiny_llama, prompt, cfg).token_ids == want
         assert tree.run(tiny_llama, prompt, cfg).token_ids == want
     assert cycles["plain"] + cycles["tree"] > 0 and cycles["lookup"] + cycles["drafter"] > 0, cycles
+
+
+def test_a_greedy_request_with_a_seed_learns_as_an_unseeded_one(tiny_llama, tiny_moa_dir) -> None:  # type: ignore[no-untyped-def]
+    """A seed holds a request to the costs as measured only where it draws tokens: a greedy answer is the same
+    whatever is drafted (``moaspec bench`` passes its seed, 0, to greedy runs too)."""
+    from moaspec.api import decoding_strategy
+    from moaspec.decoding import GenerationConfig, SamplingParams
+
+    strategy = decoding_strategy(tiny_llama, tiny_moa_dir, by_cost=True)
+    assert strategy.policy is not None
+    seeds: list[int | None] = []
+    request = strategy.policy.request
+    strategy.policy.request = lambda drafter, seed=None, crowded=None: (  # type: ignore[method-assign]
+        seeds.append(seed), request(drafter, seed, crowded))[1]
+    for sampling in (SamplingParams(0.0, seed=0), SamplingParams(0.8, seed=5)):
+        strategy.run(tiny_llama, [1, 2, 3], GenerationConfig(max_new_tokens=4, sampling=sampling))
+    assert seeds == [None, 5]
