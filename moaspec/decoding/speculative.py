@@ -77,6 +77,11 @@ class Run:
         """A verification's logits with the logit bias and the penalties (:func:`~moaspec.decoding.sampling.adjust_rows`)."""
         return adjust_rows(logits, self.params, self.counts, nodes, ancestors)
 
+    def next_token(self, logits: torch.Tensor) -> int:
+        """A plain step's token from its logits ``[1, V]``: adjusted by the answer so far and picked as vanilla
+        decoding picks it (a cycle the policy leaves undrafted costs what a step of vanilla decoding does)."""
+        return select_token(adjust(logits[-1], self.params, self.counts), self.params, self.generator)
+
     def count(self, new: Sequence[int]) -> None:
         """Add newly verified tokens to the answer's counts (with penalties)."""
         count_tokens(self.counts, new)

@@ -139,43 +139,45 @@ def generate_tree(
         fits = cache.capacity - n  # the tree must fit the cache (and the context window)
         nodes = max(1, min(shape.total, fits))
         drafted = speculation is None or speculation.plan_tree(nodes)
-        t = time.perf_counter()
-        if drafted:
+        if not drafted:  # a plain step: the causal one-token forward, none of a tree's bookkeeping
+            t = time.perf_counter()
+            out = model(torch.tensor([tokens[-1:]], device=model.device), cache)
+            new = [run.next_token(out.logits[0])]
+            if speculation is not None:
+                speculation.timed(1, time.perf_counter() - t)
+            states, scores = out.hidden[0], out.logits[0]
+        else:
+            t = time.perf_counter()
             with run.drafting():
                 if pending:
                     proposer.commit(n, None, torch.cat(pending))
                     pending = []
                 tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, nodes))
-        else:
-            tree = DraftTree(torch.tensor([tokens[-1]]), [-1], torch.zeros(1, dtype=torch.long))
-        draft_s, t = time.perf_counter() - t + read_s, time.perf_counter()
-        ancestors = tree.ancestors().to(model.device)
-        if drafted:
+            draft_s, t = time.perf_counter() - t + read_s, time.perf_counter()
+            ancestors = tree.ancestors().to(model.device)
             out = model(tree.tokens[None].to(model.device), cache, positions=n + tree.depths.to(model.device),
                         mask=tree_mask(n, ancestors))
-        else:  # one token: the causal step, whose fused one-token path a tree's mask would forgo
-            out = model(tree.tokens[None].to(model.device), cache)
-        logits = run.adjusted(out.logits[0], tree.tokens, ancestors)
-        scores = logits if params.greedy else probabilities(logits, params)
-        path, nxt = verify_tree(tree.tokens, tree.parents, scores, params.greedy, gen)
-        if speculation is not None:
-            speculation.timed(len(tree.parents), time.perf_counter() - t)
-            if drafted:
+            logits = run.adjusted(out.logits[0], tree.tokens, ancestors)
+            judged = logits if params.greedy else probabilities(logits, params)
+            path, nxt = verify_tree(tree.tokens, tree.parents, judged, params.greedy, gen)
+            if speculation is not None:
+                speculation.timed(len(tree.parents), time.perf_counter() - t)
                 speculation.tree_outcome(len(path) + 1, draft_s)
-        kept = torch.tensor([0] + path, device=out.logits.device)  # the root and the path: each scores the next token
-        cache.compact(n, kept)
-        run.verified(out.hidden[0, kept])
-        new = [int(tree.tokens[i]) for i in path] + [nxt]
+            kept = torch.tensor([0] + path, device=out.logits.device)  # the root and the path: each scores the next token
+            cache.compact(n, kept)
+            new = [int(tree.tokens[i]) for i in path] + [nxt]
+            states, scores = out.hidden[0, kept], out.logits[0, kept]
+        run.verified(states)
         run.count(new)
         tokens += new
         run.accepted.append(len(new))
-        if not run.sink.push(new, drafted=len(path), scores=out.logits[0, kept]):
+        if not run.sink.push(new, drafted=len(new) - 1, scores=scores):
             if not drafted:
-                pending.append(out.hidden[0, kept])
+                pending.append(states)
                 continue
             t = time.perf_counter()
             with run.drafting():
-                proposer.commit(cache.length, path, out.hidden[0, kept])
+                proposer.commit(cache.length, path, states)
             read_s = time.perf_counter() - t
     if pending and prefill.reuse is not None:  # a prompt cache keeps the drafter's state: bring it up to date
         proposer.commit(cache.length, None, torch.cat(pending))
