@@ -247,3 +247,32 @@ def test_a_greedy_request_with_a_seed_learns_as_an_unseeded_one(tiny_llama, tiny
     for sampling in (SamplingParams(0.0, seed=0), SamplingParams(0.8, seed=5)):
         strategy.run(tiny_llama, [1, 2, 3], GenerationConfig(max_new_tokens=4, sampling=sampling))
     assert seeds == [None, 5]
+
+
+def test_a_tree_by_cost_that_never_drafts_never_reads_the_prompt(tiny_llama, tiny_moa_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The drafter reads the prompt at its first tree: a request whose every cycle is a plain step never pays
+    for it, and one that drafts late reads the prompt and the steps before in one piece (output stays plain's)."""
+    from moaspec.api import decoding_strategy
+    from moaspec.decoding import GenerationConfig
+    from moaspec.decoding.tree import TreeShape
+    from moaspec.drafters.proposers import DrafterProposer
+    from moaspec.strategy import Strategy
+
+    begun: list[int] = []
+    begin = DrafterProposer.begin
+    monkeypatch.setattr(DrafterProposer, "begin", lambda self, cache, hidden=None, known=None: (
+        begun.append(cache.length), begin(self, cache, hidden, known))[1])
+    drafter = decoding_strategy(tiny_llama, tiny_moa_dir, by_cost=False).drafter
+    cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    prompt = [7, 2, 11, 4, 8, 19, 2, 11]
+    want = Strategy().run(tiny_llama, prompt, cfg).token_ids
+    never = Policy(Costs([1.0 + k for k in range(MAX_NEW)], 10.0, 10.0))  # a tree costs ten plain steps to draft
+    assert Strategy(drafter, tree=TreeShape(2, 2, 4), policy=never).run(tiny_llama, prompt, cfg).token_ids == want
+    assert begun == []
+    late = Policy(Costs([1.0 + 0.01 * k for k in range(MAX_NEW)], 0.01, 0.01))
+    s = late.request(drafter=True)
+    monkeypatch.setattr(late, "request", lambda *a, **k: s)
+    plans = iter([False] * 5)
+    monkeypatch.setattr(s, "plan_tree", lambda nodes: next(plans, True))  # five plain steps, then trees
+    assert Strategy(drafter, tree=TreeShape(2, 2, 4), policy=late).run(tiny_llama, prompt, cfg).token_ids == want
+    assert begun == [len(prompt) + 5]  # the prompt and the five steps' positions, read at the first tree

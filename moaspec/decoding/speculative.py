@@ -113,9 +113,10 @@ class Run:
 
 def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_ids: Sequence[int],
           config: GenerationConfig, room: int, on_text: TextCallback | None, on_piece: PieceCallback | None,
-          prefill: Prefill = Prefill(), on_logprobs: LogprobCallback | None = None) -> Run:
+          prefill: Prefill = Prefill(), on_logprobs: LogprobCallback | None = None, begin: bool = True) -> Run:
     """Open the generation (:func:`~moaspec.decoding.opening.open_generation`), pick the first token, and start
-    the proposer.
+    the proposer (not where ``begin`` is False and no prompt cache keeps its state: the caller begins it when it
+    first drafts, with the prompt's states, ``run.hidden[0]``).
 
     ``room`` is how many positions past the budget a verification may write.
     """
@@ -125,7 +126,7 @@ def start(model: Transformer, tokenizer: Any, proposer: Proposer | Any, prompt_i
     run = Run(model, o.cache, o.sink, config.sampling, o.generator, tokens, len(prompt_ids), o.budget, o.t0,
               o.prefill_s, prefill, [o.hidden], o.reused, resumable, counts=o.counts, scored=o.scored)
     run.count(tokens[-1:])
-    if not o.sink.push(tokens[-1:], scores=o.logits[None]):
+    if not o.sink.push(tokens[-1:], scores=o.logits[None]) and (begin or resumable is not None):
         with prefill.reading():
             if resumable is not None:
                 resumable.begin(o.cache, o.hidden, prefill.known(resumable, prompt_ids[:o.reused]))

@@ -130,9 +130,14 @@ def generate_tree(
     """
     # room for the verified tree, and for the expanded nodes a drafter with TLI writes into the cache
     room = max(shape.total, 1 + shape.depth * shape.top_k) + 1
-    run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece, prefill, on_logprobs)
+    # by cost the drafter reads the prompt at its first tree, not before: a request that never drafts never pays
+    # for it (unless a prompt cache keeps the drafter's state, which must then cover the prompt)
+    run = start(model, tokenizer, proposer, prompt_ids, config, room, on_text, on_piece, prefill, on_logprobs,
+                begin=speculation is None)
     cache, params, gen, tokens = run.cache, run.params, run.generator, run.tokens
-    pending: list[torch.Tensor] = []  # hidden states of plain steps the drafter has not been told of
+    begun = speculation is None or run.resumable is not None
+    # hidden states of verified positions the drafter has not been told of (the prompt's too, until it begins)
+    pending: list[torch.Tensor] = [] if begun else [run.hidden[0]]
     read_s = 0.0  # the drafter's reading of the last tree's verified states: part of the next tree's drafting
     while not run.sink.done:
         n = cache.length
@@ -149,7 +154,11 @@ def generate_tree(
         else:
             t = time.perf_counter()
             with run.drafting():
-                if pending:
+                if not begun:
+                    proposer.begin(cache, torch.cat(pending))
+                    begun, pending = True, []
+                    t = time.perf_counter()  # reading the prompt is no tree's drafting: the policy prices trees
+                elif pending:
                     proposer.commit(n, None, torch.cat(pending))
                     pending = []
                 tree = proposer.propose_tree(tokens, TreeShape(shape.depth, shape.top_k, nodes))
@@ -179,6 +188,6 @@ def generate_tree(
             with run.drafting():
                 proposer.commit(cache.length, path, states)
             read_s = time.perf_counter() - t
-    if pending and prefill.reuse is not None:  # a prompt cache keeps the drafter's state: bring it up to date
+    if pending and begun and prefill.reuse is not None:  # a prompt cache keeps the drafter's state: bring it up to date
         proposer.commit(cache.length, None, torch.cat(pending))
     return run.result()
