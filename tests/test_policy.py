@@ -7,6 +7,7 @@ import pytest
 from moaspec.decoding.policy import (
     BINS,
     CAP,
+    EXPLORE_UNREAD,
     MAX_CHAIN,
     MAX_NEW,
     OUTLIER,
@@ -139,6 +140,11 @@ def test_the_plan_copies_what_lookup_gets_right_drafts_where_it_pays_and_else_st
     assert s.cycles["plain"] == 16 and s.cycles["drafter"] == 1
     far = speculation(cpu_costs(), drafter=0.0, sure=0.1)  # 0.87 of it: a look would not pay for its catch-up
     assert {far.plan(0, 8)[0] for _ in range(300)} == {"plain"}
+    # nor a look whose drafter would first read a long prompt; one expected to pay still drafts at once
+    unread = speculation(cpu_costs(), drafter=0.0, sure=0.3)
+    assert {unread.plan(0, 8, unread=EXPLORE_UNREAD + 1)[0] for _ in range(300)} == {"plain"}
+    assert unread.plan(0, 8, unread=EXPLORE_UNREAD)[0] == "drafter"  # the wait is over: a prompt this short is read
+    assert speculation(cpu_costs(), drafter=0.7, sure=0.9).plan(0, 8, unread=10_000)[0] == "drafter"
 
 
 def test_a_tree_is_grown_where_it_pays_and_looked_at_now_and_then_only_where_it_comes_close() -> None:

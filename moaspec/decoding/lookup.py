@@ -172,7 +172,8 @@ class LookupProposer:
         # by cost, lookup's cap is the one trees graft (the loop's ``n`` is the longest chain either may draft)
         copied = self.index.continuation(tokens, min(n, MAX_NEW - 1, self.tree_lookup)) if n and self.tree_lookup else []
         most = min(n, self.drafter_len) if self.drafter is not None else 0
-        kind, count = self.speculation.plan(len(copied), most, self.index.matched)
+        unread = 0 if self._begun else sum(len(h) for h in self._pending)  # the prompt, until the drafter reads it
+        kind, count = self.speculation.plan(len(copied), most, self.index.matched, unread)
         self._before, self._drafted = self.cache.length, kind == "drafter"
         if kind == "lookup":
             proposal = self._copy(copied[:count], sampling)

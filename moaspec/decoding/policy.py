@@ -38,6 +38,7 @@ EXPLORE_MOST = 256  # that does not win the drafter back doubles the wait, up to
 EXPLORE_WITHIN = 0.9  # ... but only while its expected rate is within this of a plain step's: a look costs the
 # drafter's catch-up on every token since it last read (the prompt, the first time), which a drafter far from
 # paying does not win back (on a 2-core CPU with a 4-bit target it cost 4% of 128-token answers)
+EXPLORE_UNREAD = 128  # ... nor while the drafter would first have to read more tokens than this (a long prompt)
 EMA = 0.2  # weight of a new timing in the moving averages
 OUTLIER = 2.0  # one timing moves an estimate at most as if it were this many times above or below it
 
@@ -286,9 +287,11 @@ class Speculation:
         return drafter_rate(base, c.draft_first, c.draft_next, [c.verify_s(j + 2) - base for j in range(most)],
                             a.first, [r.p for r in a.by_probability], [r.p for r in at(a.by_depth, 1, most)])
 
-    def plan(self, copied: int, drafter_most: int, matched: int = 1) -> tuple[str, int]:
-        """At a cycle's start, with ``copied`` lookup tokens at hand (after a match of ``matched`` tokens) and room
-        for ``drafter_most`` drafter drafts:
+    def plan(self, copied: int, drafter_most: int, matched: int = 1, unread: int = 0) -> tuple[str, int]:
+        """At a cycle's start, with ``copied`` lookup tokens at hand (after a match of ``matched`` tokens), room
+        for ``drafter_most`` drafter drafts, and ``unread`` tokens the drafter has yet to read before it drafts (the
+        prompt, until its first draft): a look at a drafter not expected to pay is not taken while that reading is
+        longer than :data:`EXPLORE_UNREAD`.
         ("lookup", l) to verify the first ``l`` copied tokens, ("drafter", m) to let the drafter draft (``m``
         is the chain expected to pay; :meth:`keep` and :meth:`more` decide as it goes), or ("plain", 0)."""
         c = self.costs
@@ -310,7 +313,7 @@ class Speculation:
         kind, n, _ = max(options, key=lambda o: o[2])
         if kind == "drafter":
             self.explore_after = EXPLORE_EVERY
-        elif kind == "plain" and drafter >= EXPLORE_WITHIN / base and self._explore():
+        elif kind == "plain" and drafter >= EXPLORE_WITHIN / base and unread <= EXPLORE_UNREAD and self._explore():
             kind, n = "drafter", max(1, m)
         self.cycles[kind] += 1
         self._kind, self._proposed = kind, n if kind == "lookup" else 0
