@@ -172,7 +172,7 @@ class LookupProposer:
         # by cost, lookup's cap is the one trees graft (the loop's ``n`` is the longest chain either may draft)
         copied = self.index.continuation(tokens, min(n, MAX_NEW - 1, self.tree_lookup)) if n and self.tree_lookup else []
         most = min(n, self.drafter_len) if self.drafter is not None else 0
-        unread = 0 if self._begun else sum(len(h) for h in self._pending)  # the prompt, until the drafter reads it
+        unread = 0 if self._begun else self.cache.length  # every verified position (the prompt too) until it begins
         kind, count = self.speculation.plan(len(copied), most, self.index.matched, unread)
         self._before, self._drafted = self.cache.length, kind == "drafter"
         if kind == "lookup":
